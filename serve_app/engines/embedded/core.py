@@ -1,0 +1,192 @@
+"""The engine's step loop, synchronous and single-threaded: schedule, run, postprocess.
+
+``EngineCore.step()`` prefills what the scheduler admits, then runs one decode step for
+every decoding sequence. The step reads ``num_steps`` once, at its start: that is the
+switch point. num_steps 0 feeds each sequence its last token; k > 0 feeds the last token
+plus up to k draft tokens and keeps the longest verified prefix. Either way a sequence's
+cache ends the step holding exactly its tokens but the newest one, so the next step can
+use either path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from ..base import TokenDelta
+from .drafters import Drafter
+from .kv_cache import KVCache
+from .model import Llama
+from .sampler import greedy_verify, probs_from_logits, rejection_sample, sample
+from .scheduler import Scheduler
+from .sequence import IncrementalDetokenizer, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+class StepStats:
+    """Rolling counters for load(): output tokens/s and draft acceptance."""
+
+    def __init__(self, window_s: float = 5.0):
+        self.window_s = window_s
+        self.events: deque[tuple[float, int, int, int, int]] = deque()  # t, tokens, proposed, accepted, verifies
+
+    def record(self, tokens: int, proposed: int = 0, accepted: int = 0, verifies: int = 0) -> None:
+        now = time.monotonic()
+        self.events.append((now, tokens, proposed, accepted, verifies))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self.events and self.events[0][0] < now - self.window_s:
+            self.events.popleft()
+
+    def snapshot(self) -> tuple[float, float, float]:
+        """(output tokens/s, accept rate, mean accepted draft tokens per verify)."""
+        now = time.monotonic()
+        self._trim(now)
+        events = list(self.events)
+        if not events:
+            return 0.0, 0.0, 0.0
+        span = max(now - events[0][0], 1e-3) if len(events) > 1 else self.window_s
+        tokens = sum(e[1] for e in events)
+        proposed, accepted, verifies = (sum(e[i] for e in events) for i in (2, 3, 4))
+        return (tokens / span, accepted / proposed if proposed else 0.0,
+                accepted / verifies if verifies else 0.0)
+
+
+class EngineCore:
+    def __init__(self, model: Llama, tokenizer, drafter: Drafter, cache: KVCache, *,
+                 max_num_seqs: int, max_prefill_tokens: int, eos_token_ids: set[int]):
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.cache = cache
+        self.scheduler = Scheduler(cache, max_num_seqs, max_prefill_tokens)
+        self.eos_token_ids = eos_token_ids
+        self.num_steps = 0
+        self.stats = StepStats()
+        self.totals = {"proposed": 0, "accepted": 0, "verifies": 0, "steps": 0, "output_tokens": 0}
+        self.device = model.device
+
+    # -- requests ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None and seq.status is not Status.FINISHED:
+            self._finish(seq, "abort")
+            self.scheduler.remove_finished()
+
+    def abort_all(self) -> None:
+        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self.abort(seq.request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ---------------------------------------------------------------------
+    def step(self) -> None:
+        num_steps = self.num_steps  # read once: a switch lands between steps
+        batch = self.scheduler.schedule_prefill()
+        if batch:
+            self._prefill(batch)
+        seqs = self.scheduler.decoding()
+        if seqs:
+            self._decode(seqs, num_steps)
+        self.scheduler.remove_finished()
+        self.totals["steps"] += 1
+
+    def _prefill(self, batch: list[tuple[Sequence, int]]) -> None:
+        width = max(n for _, n in batch)
+        tokens = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (seq, n) in enumerate(batch):
+            tokens[row, :n] = torch.tensor(seq.token_ids[seq.num_cached:seq.num_cached + n])
+        lens = torch.tensor([seq.num_cached for seq, _ in batch])
+        last = torch.tensor([[n - 1] for _, n in batch])
+        logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache,
+                                            slot0=batch[0][0].slot, logit_index=last.to(self.device))
+        emitted = 0
+        for row, (seq, n) in enumerate(batch):
+            seq.num_cached += n
+            if seq.num_cached < seq.num_prompt_tokens:
+                continue
+            seq.status = Status.DECODING
+            emitted += self._append(seq, [self._sample_one(seq, logits[row, 0])])
+        if self.drafter.needs_hidden:
+            self.drafter.observe([s.request_id for s, _ in batch], hidden, [0] * len(batch))
+        self.stats.record(emitted)
+
+    def _decode(self, seqs: list[Sequence], num_steps: int) -> None:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if num_steps > 0:
+            # Never draft past what a request may still output.
+            limits = [min(num_steps, s.params.max_tokens - s.num_output_tokens - 1) for s in seqs]
+            proposed = self.drafter.propose([s.token_ids for s in seqs], num_steps)
+            drafts = [d[:max(lim, 0)] for d, lim in zip(proposed, limits)]
+        width = 1 + max(len(d) for d in drafts)
+        tokens = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+            tokens[row, :1 + len(draft)] = torch.tensor([seq.token_ids[-1], *draft])
+        lens = torch.tensor([s.num_cached for s in seqs])
+        logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache)
+        greedy_argmax = logits.argmax(dim=-1).tolist()
+        emitted = proposed_n = accepted_n = verifies = 0
+        accepted_per_seq = []
+        for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+            if seq.params.temperature == 0:
+                out, n = greedy_verify(draft, greedy_argmax[row][:len(draft) + 1])
+            else:
+                probs = probs_from_logits(logits[row, :len(draft) + 1], seq.params.temperature, seq.params.top_p)
+                out, n = rejection_sample(draft, None, probs, seq.generator)
+            seq.num_cached += 1 + n
+            emitted += self._append(seq, out)
+            accepted_per_seq.append(n)
+            if draft:
+                proposed_n, accepted_n, verifies = proposed_n + len(draft), accepted_n + n, verifies + 1
+        if self.drafter.needs_hidden:
+            self.drafter.observe([s.request_id for s in seqs], hidden, accepted_per_seq)
+        self.totals["proposed"] += proposed_n
+        self.totals["accepted"] += accepted_n
+        self.totals["verifies"] += verifies
+        self.stats.record(emitted, proposed_n, accepted_n, verifies)
+
+    # -- output -----------------------------------------------------------------------
+    def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
+        if seq.params.temperature == 0:
+            return int(logits.argmax())
+        return sample(probs_from_logits(logits, seq.params.temperature, seq.params.top_p), seq.generator)
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> int:
+        """Append tokens one at a time, stopping exactly where plain decoding would."""
+        added: list[int] = []
+        text, reason = "", None
+        for t in tokens:
+            seq.token_ids.append(t)
+            added.append(t)
+            if t in self.eos_token_ids and not seq.params.ignore_eos:
+                reason = "stop"
+                break
+            piece, hit_stop = seq.detok.add([t])
+            text += piece
+            if hit_stop:
+                reason = "stop"
+                break
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                reason = "length"
+                break
+        if reason is not None:
+            text += seq.detok.flush()
+        self.totals["output_tokens"] += len(added)
+        seq.emit(TokenDelta(seq.request_id, added, text, reason, seq.num_prompt_tokens, seq.num_output_tokens))
+        if reason is not None:
+            seq.status, seq.finish_reason = Status.FINISHED, reason
+            self.drafter.release(seq.request_id)
+        return len(added)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.drafter.release(seq.request_id)
+        seq.emit(TokenDelta(seq.request_id, [], "", reason, seq.num_prompt_tokens, seq.num_output_tokens))

@@ -1,0 +1,195 @@
+"""EmbeddedEngine: the engine protocol over EngineCore, stepping in a background thread.
+
+Requests are validated and tokenized on the caller's side, queued to the step thread, and
+their output flows back through an asyncio queue per request. PyTorch releases the GIL
+inside its kernels, so the event loop stays responsive while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+import torch
+
+from ..base import EngineLoad, EngineOverloadedError, GenerateRequest, InvalidRequestError, TokenDelta
+from .config import EmbeddedOptions
+from .core import EngineCore
+from .drafters import make_drafter
+from .kv_cache import KVCache
+from .model import Llama
+from .sequence import Sequence
+from .weights import load_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def build_core(o: EmbeddedOptions) -> EngineCore:
+    """Load the model and build the synchronous engine core."""
+    if o.num_threads:
+        torch.set_num_threads(o.num_threads)
+    device = "cuda" if o.device == "cuda" or (o.device == "auto" and torch.cuda.is_available()) else "cpu"
+    loaded = load_model(o.model, tiny_layers=o.tiny_layers, seed=o.seed)
+    s = loaded.shape
+    if o.max_model_len > s.max_position_embeddings:
+        raise ValueError(f"max_model_len {o.max_model_len} exceeds the model's {s.max_position_embeddings} positions")
+    dtype = _DTYPES[o.dtype]
+    model = Llama(s, loaded.state_dict, device, dtype)
+    cache = KVCache(s.num_layers, o.max_num_seqs, s.num_kv_heads, o.max_model_len + o.max_num_steps + 1,
+                    s.head_dim, device, dtype)
+    eos = set(s.eos_token_ids)
+    if loaded.tokenizer.eos_token_id is not None:
+        eos.add(loaded.tokenizer.eos_token_id)
+    drafter = make_drafter(o.drafter, ngram_max=o.ngram_max, ngram_min=o.ngram_min)
+    return EngineCore(model, loaded.tokenizer, drafter, cache, max_num_seqs=o.max_num_seqs,
+                      max_prefill_tokens=o.max_prefill_tokens, eos_token_ids=eos)
+
+
+class EmbeddedEngine:
+    """A compact batched engine with lookup-drafted speculative decoding."""
+
+    def __init__(self, options: EmbeddedOptions | None = None, **kwargs):
+        self.options = options or EmbeddedOptions(**kwargs)
+        self.model_name = self.options.model
+        self.core: EngineCore | None = None
+        self.tokenizer = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._num_waiting = 0  # requests submitted but not yet admitted (approximate, for load)
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.to_thread(self.start_sync)
+
+    def start_sync(self) -> None:
+        """Load the model and start the step thread (the blocking half of start())."""
+        t0 = time.monotonic()
+        self.core = build_core(self.options)
+        self.tokenizer = self.core.tokenizer
+        self.vocab_size = self.core.model.shape.vocab_size
+        self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
+        self._thread.start()
+        log.info("embedded engine ready: %s on %s/%s in %.1fs", self.options.model, self.core.device,
+                 self.options.dtype, time.monotonic() - t0)
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    # -- requests ---------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def make_sequence(self, request: GenerateRequest, emit) -> Sequence:
+        """Validate a request and build its sequence; raises InvalidRequestError."""
+        if self.core is None:
+            raise RuntimeError("engine not started")
+        p = request.params
+        p.validate()
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+        elif isinstance(request.prompt, str):
+            ids = self.tokenize(request.prompt)
+        else:
+            raise InvalidRequestError("a prompt (text or token ids) is required", "prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        limit = self.options.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens", "prompt")
+        if len(ids) + p.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the context of {limit} tokens",
+                "max_tokens")
+        gen = None
+        if p.temperature > 0:
+            gen = torch.Generator()
+            gen.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return Sequence(request.request_id, ids, len(ids), p, gen, emit)
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Validate and queue the request now; stream its deltas from the returned iterator."""
+        if self._num_waiting >= self.options.max_waiting:
+            raise EngineOverloadedError(f"the engine queue is full ({self.options.max_waiting} waiting requests)")
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        seq = self.make_sequence(request, lambda d: loop.call_soon_threadsafe(out.put_nowait, d))
+        self._submit(("add", seq))
+        return self._stream(seq.request_id, out)
+
+    async def _stream(self, request_id: str, out: asyncio.Queue) -> AsyncIterator[TokenDelta]:
+        done = False
+        try:
+            while not done:
+                delta = await out.get()
+                done = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not done:  # the consumer went away: free the slot
+                self._submit(("abort", request_id))
+
+    def _submit(self, item) -> None:
+        if item[0] == "add":
+            self._num_waiting += 1
+        self._inbox.put(item)
+        self._wake.set()
+
+    async def set_num_steps(self, num_steps: int) -> None:
+        if not isinstance(num_steps, int) or not 0 <= num_steps <= self.options.max_num_steps:
+            raise InvalidRequestError(f"num_steps must be an integer in [0, {self.options.max_num_steps}]", "num_steps")
+        self.core.num_steps = num_steps
+
+    def load(self) -> EngineLoad:
+        core = self.core
+        if core is None:
+            return EngineLoad(0, 0, 0.0, 0.0, 0)
+        tps, accept, mean_len = core.stats.snapshot()
+        sched = core.scheduler
+        return EngineLoad(waiting=len(sched.waiting) + max(self._num_waiting, 0), running=len(sched.running),
+                          output_tokens_per_s=tps, accept_rate=accept, num_steps=core.num_steps,
+                          mean_accepted_len=mean_len)
+
+    # -- the step thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        core = self.core
+        while not self._stopping:
+            self._drain()
+            if not core.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                core.step()
+            except Exception:  # a bug must not take the engine down with every request in it
+                log.exception("engine step failed; aborting its requests")
+                core.abort_all()
+        self._drain()
+        core.abort_all()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._num_waiting -= 1
+                self.core.add(arg)
+            else:
+                self.core.abort(arg)

@@ -1,0 +1,98 @@
+"""The Llama forward pass over a slot KV cache, in plain PyTorch.
+
+One function serves prefill, plain decode and speculative verify: every call feeds ``q``
+tokens to each of ``B`` sequences (slot ``b`` of the cache holds sequence ``b``), writes
+their keys and values at positions ``lens[b] .. lens[b]+q-1`` and attends causally to
+everything before. Right-padded prefill works the same way: padding writes past a
+sequence's length, which the mask hides and later steps overwrite. So does rollback of
+rejected draft tokens: a sequence's length simply does not advance over them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache
+from .weights import LlamaShape
+
+
+class Llama:
+    """Weights of a Llama-family model, fused for fewer kernel launches."""
+
+    def __init__(self, shape: LlamaShape, state: dict[str, torch.Tensor], device, dtype):
+        self.shape = shape
+        self.device, self.dtype = device, dtype
+
+        def t(name):
+            return state[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = t("model.embed_tokens.weight")
+        self.lm_head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in state else t("lm_head.weight")
+        self.norm = t("model.norm.weight")
+        self.layers = []
+        for i in range(shape.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([t(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            bias = None
+            if p + "self_attn.q_proj.bias" in state:  # Qwen2
+                bias = torch.cat([t(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(dict(
+                ln1=t(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
+                o=t(p + "self_attn.o_proj.weight"),
+                ln2=t(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
+                down=t(p + "mlp.down_proj.weight"),
+            ))
+        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim))
+        freqs = torch.outer(torch.arange(shape.max_position_embeddings + 64, dtype=torch.float64), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache, slot0: int = 0,
+                logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``tokens`` [B, q] of the sequences in slots ``slot0 .. slot0+B-1`` at positions
+        ``lens[b] + i``; return (logits, hidden).
+
+        ``logit_index`` [B, n] picks which of the q positions get logits (all if None);
+        hidden is the final-norm hidden state of every fed position, [B, q, hidden].
+        """
+        s = self.shape
+        B, q = tokens.shape
+        pos = lens[:, None] + torch.arange(q, device=tokens.device)  # [B, q]
+        L = int(lens.max()) + q
+        mask = (torch.arange(L, device=tokens.device)[None, None, :] <= pos[:, :, None]).unsqueeze(1)
+        cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, q, 1, D]
+        rows = torch.arange(slot0, slot0 + B, device=tokens.device)[:, None].expand(B, q)
+        nq, nkv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
+
+        x = F.embedding(tokens, self.embed)
+        for i, w in enumerate(self.layers):
+            h = F.rms_norm(x, (s.hidden_size,), w["ln1"], s.rms_norm_eps)
+            qkv = F.linear(h, w["qkv"], w["qkv_bias"])
+            xq = qkv[..., :nq].view(B, q, s.num_heads, d)
+            xk = qkv[..., nq:nq + nkv].view(B, q, s.num_kv_heads, d)
+            xv = qkv[..., nq + nkv:].view(B, q, s.num_kv_heads, d)
+            xq, xk = _rope(xq, cos, sin), _rope(xk, cos, sin)
+            k_cache, v_cache = cache.layer(i)  # [S, KV, T, D]
+            k_cache[rows, :, pos] = xk
+            v_cache[rows, :, pos] = xv
+            attn = F.scaled_dot_product_attention(
+                xq.transpose(1, 2), k_cache[slot0:slot0 + B, :, :L], v_cache[slot0:slot0 + B, :, :L],
+                attn_mask=mask, enable_gqa=True,
+            )
+            x = x + F.linear(attn.transpose(1, 2).reshape(B, q, nq), w["o"])
+            h = F.rms_norm(x, (s.hidden_size,), w["ln2"], s.rms_norm_eps)
+            gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w["down"])
+        hidden = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
+        picked = hidden if logit_index is None else hidden[torch.arange(B)[:, None], logit_index]
+        return F.linear(picked, self.lm_head).float(), hidden
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
