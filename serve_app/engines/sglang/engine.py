@@ -1,0 +1,182 @@
+"""The engine protocol on an in-process ``sglang.Engine`` (TP-8, EAGLE-3, adaptive steps).
+
+sglang is imported in :meth:`SGLangEngine.start` only: it needs CUDA and is not installed on
+CPU machines. The replica holds all the engine's GPUs; SGLang spawns one scheduler process
+per TP rank inside it. The speculation depth is switched by the specserve plugin
+(:mod:`serve_app.engines.sglang.plugin`) through ``Engine.collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from importlib.metadata import entry_points
+from typing import Any
+
+from serve_app.engines.base import (
+    EngineError,
+    EngineLoad,
+    GenerateRequest,
+    InvalidRequestError,
+    SamplingParams,
+    TokenDelta,
+)
+from serve_app.engines.sglang import plugin
+from serve_app.engines.sglang.config import SGLangOptions, build_server_args
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class SGLangEngine:
+    """:class:`serve_app.engines.base.Engine` backed by SGLang."""
+
+    def __init__(self, opts: SGLangOptions):
+        self.opts = opts
+        self._engine: Any = None
+        self._num_steps = opts.start_steps
+        self._rpc_lock = asyncio.Lock()
+        self._closing = False
+
+    async def start(self) -> None:
+        check_plugin_installed()
+        kwargs = build_server_args(self.opts)
+        os.environ[plugin.ENABLE_ENV] = "1"  # inherited by the scheduler processes SGLang spawns
+        import sglang  # noqa: PLC0415 - needs CUDA; only on GPU machines
+
+        # Loads weights and captures CUDA graphs for every candidate step count: minutes.
+        self._engine = await asyncio.to_thread(sglang.Engine, **kwargs)
+        try:
+            check_adaptive_active(self._engine.server_args)
+            await self.set_num_steps(self._num_steps)  # also proves the plugin runs in the schedulers
+        except Exception:
+            await asyncio.to_thread(self._engine.shutdown)
+            self._engine = None
+            raise
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        request.params.validate()  # InvalidRequestError here, before any streaming
+        if request.prompt_token_ids is None and not request.prompt:
+            raise InvalidRequestError("a prompt or prompt_token_ids is required", "prompt")
+        if self._engine is None or self._closing:
+            raise EngineError("the SGLang engine is not running")
+        return self._stream(request)
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        ids = request.prompt_token_ids
+        prompt = {"input_ids": ids} if ids is not None else {"prompt": request.prompt}
+        rid, finished, last = request.request_id, False, (0, 0)
+        try:
+            chunks = await self._engine.async_generate(
+                **prompt, sampling_params=sampling_dict(request.params), stream=True, rid=rid
+            )
+            async for chunk in chunks:
+                delta = to_delta(rid, chunk)
+                finished, last = delta.finish_reason is not None, (delta.prompt_tokens, delta.completion_tokens)
+                yield delta
+        except Exception:
+            if not self._closing:
+                raise
+        finally:
+            if not finished and self._engine is not None:
+                self._engine.tokenizer_manager.abort_request(rid)
+        if not finished:  # shut down under us: end the request as the protocol says
+            yield TokenDelta(rid, [], "", "abort", *last)
+
+    async def set_num_steps(self, num_steps: int) -> None:
+        if num_steps not in self.opts.candidate_steps:
+            raise ValueError(f"num_steps {num_steps} is not one of candidate_steps {self.opts.candidate_steps}")
+        if self._engine is None:
+            raise EngineError("the SGLang engine is not running")
+        guard = self.opts.spec_max_batch_size or 0
+        async with self._rpc_lock:  # one ZMQ socket: one RPC at a time
+            try:
+                # A blocking send/recv plus a barrier on every TP rank: keep it off the event loop.
+                await asyncio.to_thread(
+                    self._engine.collective_rpc, plugin.RPC_METHOD, num_steps=num_steps, max_batch_size=guard
+                )
+            except AssertionError as e:  # collective_rpc asserts success with the scheduler's message
+                raise EngineError(f"SGLang schedulers refused {plugin.RPC_METHOD}({num_steps}): {e}") from e
+        self._num_steps = num_steps
+
+    def load(self) -> EngineLoad:
+        reader = getattr(getattr(self._engine, "tokenizer_manager", None), "load_snapshot_reader", None)
+        snapshots = reader.read_all() if reader is not None else []  # shared memory, no scheduler round-trip
+        spec = [s.speculative for s in snapshots if s.speculative is not None]
+        return EngineLoad(
+            waiting=sum(s.num_waiting_reqs for s in snapshots),
+            running=sum(s.num_running_reqs for s in snapshots),
+            output_tokens_per_s=float(sum(s.gen_throughput for s in snapshots)),
+            accept_rate=sum(m.accept_rate for m in spec) / len(spec) if spec else 0.0,
+            num_steps=self._num_steps,
+            mean_accepted_len=sum(m.accept_length for m in spec) / len(spec) if spec else 0.0,
+        )
+
+    async def shutdown(self) -> None:
+        if self._engine is None:
+            return
+        self._closing = True
+        self._engine.tokenizer_manager.abort_request(abort_all=True)
+        await asyncio.sleep(0.2)  # let the abort outputs reach the streams
+        await asyncio.to_thread(self._engine.shutdown)
+        self._engine = None
+
+
+def sampling_dict(params: SamplingParams) -> dict[str, Any]:
+    """Our sampling parameters as SGLang's ``sampling_params`` dict."""
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_tokens,
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "ignore_eos": params.ignore_eos,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+def to_delta(rid: str, chunk: dict) -> TokenDelta:
+    """One streamed SGLang output (``incremental_streaming_output``: only what this step added)."""
+    meta = chunk.get("meta_info", {})
+    finish = meta.get("finish_reason")
+    reason = None if finish is None else _FINISH.get(finish.get("type"), "stop")
+    return TokenDelta(
+        request_id=rid,
+        token_ids=list(chunk.get("output_ids") or []),
+        text=chunk.get("text") or "",
+        finish_reason=reason,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        completion_tokens=int(meta.get("completion_tokens", 0)),
+    )
+
+
+def check_plugin_installed() -> None:
+    """Fail before loading any weights if SGLang's schedulers would not load our plugin."""
+    ours = [ep for ep in entry_points(group=plugin.ENTRY_POINT_GROUP) if ep.value == plugin.ENTRY_POINT_VALUE]
+    if not ours:
+        raise EngineError(
+            f"entry point {plugin.ENTRY_POINT_GROUP}:{plugin.ENTRY_POINT_NAME} = {plugin.ENTRY_POINT_VALUE} is "
+            "not installed: install specserve (pip install .) so SGLang's load_plugins() finds it"
+        )
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if allowed and ours[0].name not in {x.strip() for x in allowed.split(",")}:
+        raise EngineError(f"SGLANG_PLUGINS={allowed!r} excludes the {ours[0].name!r} plugin")
+
+
+def check_adaptive_active(server_args: Any) -> None:
+    """SGLang turns --speculative-adaptive off with only a log warning (topk > 1, attention DP,
+    two-batch overlap, pdmux, ...). The raw field keeps the input; the resolved one tells."""
+    if server_args.resolved_dict().get("speculative_adaptive"):
+        return
+    try:
+        from sglang.srt.speculative.adaptive_spec_params import adaptive_unsupported_reason
+
+        reason = adaptive_unsupported_reason(server_args) or "unknown reason (see SGLang's log)"
+    except Exception as e:  # the reason is a courtesy; the failure is the point
+        reason = f"unknown reason ({e})"
+    raise EngineError(f"SGLang turned adaptive speculation off: {reason}")

@@ -1,0 +1,133 @@
+"""Drift guard: what we use of SGLang exists in the pinned wheel, as we use it.
+
+The wheel comes from .ci/fetch_sglang_wheel.sh (or $SPECSERVE_SGLANG_WHEEL). In CI (CI=true)
+a missing wheel fails these tests; elsewhere they skip and say how to fetch it.
+"""
+
+import ast
+import inspect
+import os
+import shutil
+import typing
+from pathlib import Path
+
+import pytest
+
+from serve_app.engines.sglang import plugin, policy
+from serve_app.engines.sglang.config import SGLangOptions, build_server_args
+from serve_app.engines.sglang.pinned import (
+    VERSION,
+    WHEEL_ENV,
+    check_server_args,
+    check_symbols,
+    server_arg_types,
+    sglang_modules,
+    source_tree,
+)
+
+
+@pytest.fixture(scope="module")
+def src():
+    path = source_tree()
+    if path is None:
+        reason = f"sglang {VERSION} wheel not found: run .ci/fetch_sglang_wheel.sh or set {WHEEL_ENV}"
+        pytest.fail(reason) if os.environ.get("CI", "").lower() in ("true", "1") else pytest.skip(reason)
+    return path
+
+
+def option_variants(tmp_path):
+    base = {"model_path": "meta-llama/Llama-3.1-70B-Instruct", "draft_model_path": "some/eagle3-draft"}
+    yield SGLangOptions(**base, adaptive_config_dir=str(tmp_path))
+    yield SGLangOptions(
+        **base,
+        adaptive_config_dir=str(tmp_path),
+        candidate_steps=[0, 1, 3, 7],
+        initial_steps=3,
+        mem_fraction_static=0.85,
+        nccl_port=31000,
+        context_length=8192,
+        max_running_requests=256,
+        enable_metrics=False,
+        extra_server_args={"log_level": "info", "trust_remote_code": True, "cuda_graph_max_bs_decode": 256},
+    )
+
+
+def test_every_sglang_symbol_we_rely_on_is_in_the_pinned_wheel(src):
+    problems = check_symbols(src)
+    assert not problems, f"sglang {VERSION} no longer matches what specserve uses:\n  " + "\n  ".join(problems)
+
+
+def test_the_drift_guard_names_a_symbol_whose_signature_moved(src, tmp_path):
+    moved = tmp_path / "sglang/srt/speculative/adaptive_runtime_state.py"
+    moved.parent.mkdir(parents=True)
+    shutil.copy(src / "sglang/srt/speculative/adaptive_runtime_state.py", moved)
+    moved.write_text(
+        moved.read_text().replace(
+            "def get_steps_for_batch(self, batch_size: int)", "def get_steps_for_batch(self, batch)"
+        )
+    )
+    problems = check_symbols(tmp_path)
+    assert any("AdaptiveSpecPolicy.get_steps_for_batch" in p and "('self', 'batch')" in p for p in problems)
+    assert any("eagle_worker_v2.py" in p and "file is gone" in p for p in problems)
+
+
+def test_our_policy_has_every_method_of_the_policy_protocol_in_the_wheel(src):
+    tree = ast.parse((src / "sglang/srt/speculative/adaptive_runtime_state.py").read_text())
+    protocol = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AdaptiveSpecPolicy")
+    for method in (n for n in protocol.body if isinstance(n, ast.FunctionDef)):
+        ours = inspect.getattr_static(policy.CommandedStepsPolicy, method.name)
+        expected = [a.arg for a in method.args.args]
+        if isinstance(ours, property):
+            assert any(isinstance(d, ast.Name) and d.id == "property" for d in method.decorator_list), method.name
+            ours = ours.fget
+        assert list(inspect.signature(ours).parameters) == expected, method.name
+
+
+def test_the_plugin_registers_under_the_group_sglang_loads_and_takes_no_arguments(src):
+    tree = ast.parse((src / "sglang/srt/plugins/__init__.py").read_text())
+    group = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "GENERAL_PLUGINS_GROUP")
+    assert plugin.ENTRY_POINT_GROUP == ast.literal_eval(group.value)
+    assert not inspect.signature(plugin.register).parameters  # load_plugins() calls func()
+
+
+def test_every_server_argument_we_pass_is_a_field_of_that_type_in_the_wheel_source(src, tmp_path):
+    types = server_arg_types(src)
+    assert len(types) > 400  # ServerArgs of 0.5.23 has 546 fields: the reader found the namespaces
+    for opts in option_variants(tmp_path):
+        assert check_server_args(build_server_args(opts), types) == []
+
+
+def test_a_wrong_type_or_an_unknown_server_argument_is_reported(src):
+    problems = check_server_args({"tp_size": "8", "speculative_adaptiv": True}, server_arg_types(src))
+    assert problems[0].startswith("tp_size='8': not a int")
+    assert problems[1] == f"speculative_adaptiv: not a ServerArgs field of sglang {VERSION}"
+
+
+def test_server_arguments_against_the_real_ServerArgs_when_it_imports(src, tmp_path):
+    with sglang_modules(src):
+        try:
+            from sglang.srt.server_args import ServerArgs
+        except ImportError as e:
+            pytest.skip(
+                f"sglang {VERSION}'s ServerArgs imports without CUDA but needs msgspec, orjson, pybase64, "
+                f"pyzmq and triton, not installed here ({e}); the wheel-source test above covers it"
+            )
+        hints = typing.get_type_hints(ServerArgs)
+        for opts in option_variants(tmp_path):
+            kwargs = build_server_args(opts)
+            ServerArgs(**kwargs)  # unknown names raise TypeError
+            assert check_server_args(kwargs, hints) == []
+
+
+def test_the_fetch_script_and_the_tests_agree_on_where_the_wheel_is(tmp_path, monkeypatch):
+    import subprocess
+
+    from serve_app.engines.sglang.pinned import CACHE_ENV, find_wheel
+
+    cached = tmp_path / f"sglang-{VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
+    cached.write_bytes(b"")  # present: the script must not download
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(WHEEL_ENV, raising=False)
+    script = Path(__file__).resolve().parents[1] / ".ci/fetch_sglang_wheel.sh"
+    out = subprocess.run([str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(out) == cached == find_wheel()

@@ -1,0 +1,201 @@
+"""The plugin's policy and hooks, driven by SGLang's real AdaptiveController from the pinned wheel.
+
+adaptive_runtime_state.py imports nothing at run time, so the real controller runs here.
+SGLang's own policy (AdaptiveSpeculativeParams) needs msgspec, orjson, pybase64, pyzmq and
+triton to import: with them its test runs too, without them it says so and the tests use a
+stand-in shaped as the wheel's AdaptiveSpecPolicy protocol.
+"""
+
+import ast
+import json
+import os
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from serve_app.engines.sglang import plugin
+from serve_app.engines.sglang.config import SGLangOptions, write_adaptive_config
+from serve_app.engines.sglang.pinned import VERSION, WHEEL_ENV, sglang_modules, source_tree
+from serve_app.engines.sglang.policy import CommandedStepsPolicy
+
+
+@pytest.fixture(scope="module")
+def src():
+    path = source_tree()
+    if path is None:
+        reason = f"sglang {VERSION} wheel not found: run .ci/fetch_sglang_wheel.sh or set {WHEEL_ENV}"
+        pytest.fail(reason) if os.environ.get("CI", "").lower() in ("true", "1") else pytest.skip(reason)
+    return path
+
+
+@pytest.fixture
+def sgl(src, monkeypatch):
+    """The wheel's adaptive_runtime_state module (fresh per test, so patches die with it)."""
+    monkeypatch.setattr(plugin, "policies", [])
+    with sglang_modules(src):
+        from sglang.srt.speculative import adaptive_runtime_state
+
+        yield adaptive_runtime_state
+
+
+class Worker:
+    """An AdaptiveSpecWorker: records the states it builds and the one it runs."""
+
+    def __init__(self, steps):
+        self.speculative_num_steps = steps
+        self.built = {}
+        self.switches = 0
+
+    def build_adaptive_runtime_state(self, speculative_num_steps, speculative_num_draft_tokens, cuda_graph_bs=None):
+        self.built[speculative_num_steps] = (speculative_num_draft_tokens, cuda_graph_bs)
+        return SimpleNamespace(speculative_num_steps=speculative_num_steps)
+
+    def apply_runtime_state(self, state):
+        if state.speculative_num_steps != self.speculative_num_steps:
+            self.switches += 1
+        self.speculative_num_steps = state.speculative_num_steps
+
+
+def started(sgl, steps=(0, 3, 5), initial=5, cuda_graph_bs=(1, 2, 4, 8, 16)):
+    """A controller as EAGLEWorkerV2 starts it: register the initial state, then init_states."""
+    worker, policy = Worker(initial), CommandedStepsPolicy(list(steps), initial)
+    controller = sgl.AdaptiveController(worker, policy)
+    controller.register(SimpleNamespace(speculative_num_steps=initial))
+    controller.init_states(cuda_graph_bs=list(cuda_graph_bs))
+    return worker, policy, controller
+
+
+def test_the_controller_builds_every_step_count_for_every_cuda_graph_batch_size(sgl):
+    worker, _, _ = started(sgl)
+    assert worker.built == {0: (1, [1, 2, 4, 8, 16]), 3: (4, [1, 2, 4, 8, 16])}  # 5 was registered at start
+    assert worker.speculative_num_steps == 5
+
+
+def test_a_command_takes_effect_at_the_next_decode_batch(sgl):
+    worker, policy, controller = started(sgl)
+    policy.command(0)
+    assert worker.speculative_num_steps == 5  # nothing moves between batches
+    controller.activate_step_by_batch(8)
+    assert worker.speculative_num_steps == 0
+    controller.activate_step_by_batch(8)
+    policy.command(3)
+    controller.activate_step_by_batch(1)
+    assert (worker.speculative_num_steps, worker.switches) == (3, 2)
+
+
+def test_acceptance_is_recorded_and_the_policy_never_switches_by_itself(sgl):
+    worker, policy, controller = started(sgl)
+    controller.activate_step_by_batch(4)
+    for _ in range(50):  # SGLang's EMA policy would have moved by now
+        controller.on_verify_complete([0, 0, 1, 0], batch_size=4)
+    assert worker.speculative_num_steps == 5
+    assert policy.stats.verifies[5] == 50 and policy.stats.mean_accepted(5) == 0.25
+
+
+def test_the_batch_size_guard_runs_zero_steps_above_its_limit(sgl):
+    worker, policy, controller = started(sgl)
+    policy.command(3, max_batch_size=64)
+    controller.activate_step_by_batch(64)
+    assert worker.speculative_num_steps == 3
+    controller.activate_step_by_batch(65)
+    assert worker.speculative_num_steps == 0
+    controller.activate_step_by_batch(10)
+    assert worker.speculative_num_steps == 3
+
+
+def test_a_step_count_outside_the_candidates_is_refused():
+    policy = CommandedStepsPolicy([0, 3, 5], 5)
+    with pytest.raises(ValueError, match="not a candidate"):
+        policy.command(4)
+    assert policy.cuda_graph_bs_for_step(3) is None  # CUDA graphs off: nothing to prune
+
+
+def test_the_plugin_hook_gives_each_controller_our_policy_and_the_rpc_commands_it(sgl):
+    plugin.install_policy_hook(sgl.AdaptiveController)
+    plugin.install_policy_hook(sgl.AdaptiveController)  # idempotent
+    worker = Worker(5)
+    sglang_policy = SimpleNamespace(candidate_steps=[0, 3, 5])  # what the hook reads of SGLang's policy
+    controller = sgl.AdaptiveController(worker, sglang_policy)
+    assert isinstance(controller.params, CommandedStepsPolicy) and plugin.policies == [controller.params]
+    controller.register(SimpleNamespace(speculative_num_steps=5))
+    controller.init_states(cuda_graph_bs=[1, 2])
+
+    plugin.specserve_set_num_steps(scheduler=None, num_steps=0, max_batch_size=0)
+    controller.activate_step_by_batch(2)
+    assert worker.speculative_num_steps == 0 and controller.params.max_batch_size is None
+
+
+def test_the_rpc_fails_with_a_reason_when_no_adaptive_controller_was_built(monkeypatch):
+    monkeypatch.setattr(plugin, "policies", [])
+    with pytest.raises(RuntimeError, match="no adaptive controller"):
+        plugin.specserve_set_num_steps(None, num_steps=3)
+
+
+def test_register_does_nothing_unless_the_engine_enabled_it(monkeypatch):
+    monkeypatch.delenv(plugin.ENABLE_ENV, raising=False)
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    plugin.register()  # would raise ImportError if it touched sglang
+    assert "sglang" not in sys.modules
+
+
+def test_register_adds_the_scheduler_method_and_the_policy_hook(src, monkeypatch):
+    monkeypatch.setenv(plugin.ENABLE_ENV, "1")
+    with sglang_modules(src):
+        # The real scheduler module needs CUDA libraries; a stand-in takes the method.
+        scheduler_module = types.ModuleType("sglang.srt.managers.scheduler")
+        scheduler_module.Scheduler = type("Scheduler", (), {})
+        sys.modules["sglang.srt.managers.scheduler"] = scheduler_module
+        plugin.register()
+        from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
+
+        assert getattr(scheduler_module.Scheduler, plugin.RPC_METHOD) is plugin.specserve_set_num_steps
+        assert AdaptiveController.__init__._specserve
+
+
+def load_config_reader(src):
+    """SGLang's own adaptive-config reader, executed from the wheel's source."""
+    tree = ast.parse((src / "sglang/srt/speculative/adaptive_spec_params.py").read_text())
+    wanted = {"DEFAULT_ADAPTIVE_CONFIG", "_load_adaptive_config", "resolve_candidate_steps_from_config"}
+    body = [
+        n
+        for n in tree.body
+        if getattr(n, "name", None) in wanted or (isinstance(n, ast.AnnAssign) and n.target.id in wanted)
+    ]
+    namespace = {"json": json}
+    exec(compile(ast.Module(body=body, type_ignores=[]), "adaptive_spec_params.py", "exec"), namespace)  # noqa: S102
+    return namespace["resolve_candidate_steps_from_config"]
+
+
+def test_sglang_reads_our_adaptive_config_as_exactly_our_candidate_steps(src, tmp_path):
+    opts = SGLangOptions(
+        model_path="m", draft_model_path="d", candidate_steps=[5, 0, 2], adaptive_config_dir=str(tmp_path)
+    )
+    assert load_config_reader(src)(str(write_adaptive_config(opts))) == [0, 2, 5]
+
+
+def test_with_sglangs_real_policy_class_when_it_imports(src, tmp_path, monkeypatch):
+    monkeypatch.setattr(plugin, "policies", [])
+    with sglang_modules(src):
+        try:
+            from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+        except ImportError as e:
+            pytest.skip(
+                f"AdaptiveSpeculativeParams needs msgspec, orjson, pybase64, pyzmq and triton to import "
+                f"(not CUDA); not installed here ({e}); tested against the wheel's protocol instead"
+            )
+        from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
+
+        opts = SGLangOptions(model_path="m", draft_model_path="d", adaptive_config_dir=str(tmp_path))
+        plugin.install_policy_hook(AdaptiveController)
+        worker = Worker(opts.start_steps)
+        controller = AdaptiveController(
+            worker, AdaptiveSpeculativeParams(opts.start_steps, str(write_adaptive_config(opts)))
+        )
+        assert controller.params.candidate_steps == [0, 3, 5]
+        controller.register(SimpleNamespace(speculative_num_steps=5))
+        controller.init_states(cuda_graph_bs=[1, 8, 64])
+        plugin.specserve_set_num_steps(None, num_steps=3)
+        controller.activate_step_by_batch(64)
+        assert worker.speculative_num_steps == 3

@@ -1,0 +1,60 @@
+"""configs/prod.yaml end to end: Ray's schema, AppArgs, our SGLang arguments against the pinned
+wheel; and the KubeRay RayService carries the same serve config."""
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.engines.sglang.config import SGLangOptions, build_server_args
+from serve_app.engines.sglang.pinned import VERSION, WHEEL_ENV, check_server_args, server_arg_types, source_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+PROD = ROOT / "configs" / "prod.yaml"
+RAYSERVICE = ROOT / "infra" / "kuberay" / "rayservice.yaml"
+
+
+@pytest.fixture(scope="module")
+def prod():
+    if not PROD.exists():
+        pytest.skip("configs/prod.yaml does not exist yet")
+    return yaml.safe_load(PROD.read_text())
+
+
+def test_prod_yaml_is_a_valid_serve_config_with_valid_app_args(prod):
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app.config import AppArgs
+
+    ServeDeploySchema.model_validate(prod)
+    args = AppArgs.model_validate(prod["applications"][0]["args"])
+    assert args.engine.backend == "sglang" and isinstance(args.engine.sglang, SGLangOptions)
+
+
+def test_prod_sglang_arguments_exist_in_the_pinned_sglang_with_our_types(prod, tmp_path):
+    src = source_tree()
+    if src is None:
+        reason = f"sglang {VERSION} wheel not found: run .ci/fetch_sglang_wheel.sh or set {WHEEL_ENV}"
+        pytest.fail(reason) if os.environ.get("CI", "").lower() in ("true", "1") else pytest.skip(reason)
+    opts = SGLangOptions.model_validate(
+        {**prod["applications"][0]["args"]["engine"]["sglang"], "adaptive_config_dir": str(tmp_path)}
+    )
+    assert check_server_args(build_server_args(opts), server_arg_types(src)) == []
+
+
+def test_the_replica_holds_as_many_gpus_as_the_tensor_parallel_width(prod):
+    app = prod["applications"][0]
+    tp = SGLangOptions.model_validate(app["args"]["engine"]["sglang"]).tp_size
+    replica = next(d for d in app["deployments"] if d["name"] == "LLMReplica")
+    bundles = replica.get("placement_group_bundles")
+    gpus = bundles[0].get("GPU", 0) if bundles else replica["ray_actor_options"].get("num_gpus", 0)
+    assert gpus == tp
+    if bundles:
+        assert replica.get("placement_group_strategy") == "STRICT_PACK"
+
+
+def test_the_rayservice_serves_exactly_prod_yaml(prod):
+    service = yaml.safe_load(RAYSERVICE.read_text())
+    assert service["kind"] == "RayService"
+    assert yaml.safe_load(service["spec"]["serveConfigV2"]) == prod
