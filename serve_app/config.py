@@ -1,0 +1,170 @@
+"""Typed configuration of a specserve application: what `serve run` passes as ``args``.
+
+Everything here is a pydantic model validated at the edge, so a bad YAML fails at
+``serve run`` with a message that names the field. The policy models have no heavy imports:
+the simulator and the pure policy import this module without pulling in an engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Tier(_Strict):
+    """One rung of the ladder: loads per replica below ``below`` run ``num_steps`` draft steps."""
+
+    below: float | None = Field(
+        default=None, gt=0, description="Upper bound (exclusive) of load per replica; null on the last tier."
+    )
+    num_steps: int = Field(ge=0, le=64, description="Draft tokens per decode step in this tier; 0 = off.")
+
+
+def _default_tiers() -> list[Tier]:
+    return [Tier(below=4, num_steps=5), Tier(below=12, num_steps=3), Tier(num_steps=0)]
+
+
+class PolicyConfig(_Strict):
+    """The load → num_steps ladder and what keeps it from flapping.
+
+    Load is the cluster queue (waiting + running over live replicas) divided by the number of
+    live replicas. The load is averaged over ``smoothing_s``; a tier is left only when the
+    averaged load is past the tier's boundary by ``margin`` for ``dwell_s`` without a break,
+    and never sooner than ``min_switch_interval_s`` after the previous switch.
+    """
+
+    tiers: list[Tier] = Field(default_factory=_default_tiers, min_length=1)
+    margin: float = Field(default=1.0, ge=0, description="Hysteresis, in load-per-replica units.")
+    dwell_s: float = Field(default=2.0, ge=0)
+    min_switch_interval_s: float = Field(default=5.0, ge=0)
+    smoothing_s: float = Field(default=1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_ladder(self) -> PolicyConfig:
+        *inner, last = self.tiers
+        if last.below is not None:
+            raise ValueError("tiers: the last tier must have no 'below' bound (it takes all higher loads)")
+        for i, tier in enumerate(inner):
+            if tier.below is None:
+                raise ValueError(f"tiers[{i}]: only the last tier may omit 'below'")
+            if i > 0 and tier.below <= inner[i - 1].below:
+                raise ValueError(f"tiers[{i}].below must be greater than tiers[{i - 1}].below")
+        steps = [t.num_steps for t in self.tiers]
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"tiers: each tier needs its own num_steps, got {steps}")
+        return self
+
+    @property
+    def bounds(self) -> list[float]:
+        """The tier boundaries, ascending (one fewer than tiers)."""
+        return [t.below for t in self.tiers[:-1]]  # type: ignore[misc]
+
+    @property
+    def history_s(self) -> float:
+        """How much load history ``decide`` looks at (callers may drop older samples)."""
+        return self.dwell_s + self.smoothing_s + 1.0
+
+    def tier_of(self, num_steps: int) -> int | None:
+        """The index of the tier that runs ``num_steps`` (the lowest-load one), or None."""
+        for i, tier in enumerate(self.tiers):
+            if tier.num_steps == num_steps:
+                return i
+        return None
+
+
+class ControllerOptions(_Strict):
+    """How the controller and the replicas talk."""
+
+    report_interval_s: float = Field(default=0.25, gt=0, le=10)
+    stale_after_s: float = Field(
+        default=1.0, gt=0, description="Reports older than this drop out of the cluster queue."
+    )
+    long_poll_timeout_s: float = Field(default=10.0, gt=0)
+    max_events: int = Field(default=200, ge=1)
+
+    @model_validator(mode="after")
+    def _stale_after_reports(self) -> ControllerOptions:
+        if self.stale_after_s < 2 * self.report_interval_s:
+            raise ValueError("stale_after_s must be at least 2 × report_interval_s")
+        return self
+
+
+def _options_class(backend: str) -> type[BaseModel]:
+    # Imported on use: the sglang options module is importable without sglang itself, and
+    # neither engine package is needed to validate or run the policy.
+    if backend == "embedded":
+        from serve_app.engines.embedded.config import EmbeddedOptions
+
+        return EmbeddedOptions
+    from serve_app.engines.sglang.config import SGLangOptions
+
+    return SGLangOptions
+
+
+class EngineConfig(_Strict):
+    """Which engine backend the replicas run, with that backend's own options."""
+
+    backend: Literal["embedded", "sglang"] = "embedded"
+    embedded: Any = Field(default=None, description="EmbeddedOptions when backend is 'embedded'.")
+    sglang: Any = Field(default=None, description="SGLangOptions when backend is 'sglang'.")
+
+    @field_validator("embedded", "sglang", mode="before")
+    @classmethod
+    def _parse_options(cls, value: Any, info) -> Any:
+        if value is None:
+            return None
+        options_cls = _options_class(info.field_name)
+        return value if isinstance(value, options_cls) else options_cls.model_validate(value)
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> EngineConfig:
+        if self.backend == "embedded" and self.embedded is None:
+            self.embedded = _options_class("embedded")()
+        if self.backend == "sglang" and self.sglang is None:
+            raise ValueError("sglang: options are required when backend is 'sglang'")
+        other = "sglang" if self.backend == "embedded" else "embedded"
+        if getattr(self, other) is not None:
+            raise ValueError(f"{other}: options given but backend is {self.backend!r}")
+        return self
+
+    @property
+    def options(self) -> BaseModel:
+        """The selected backend's options."""
+        return getattr(self, self.backend)
+
+
+class AppArgs(_Strict):
+    """The ``args`` of ``serve_app.app:build_app``."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    num_replicas: int = Field(default=1, ge=1, description="Ignored when autoscaling_config is set.")
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int = Field(
+        default=512, ge=1, description="Per replica; keep above the engine's queue so the engine, not Serve, queues."
+    )
+    replica_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    controller: ControllerOptions = Field(default_factory=ControllerOptions)
+    admin_token_env: str = Field(default="SPECSERVE_ADMIN_TOKEN", min_length=1)
+    served_model_name: str | None = Field(default=None, description="Model name clients use; default: the engine's.")
+
+    @model_validator(mode="after")
+    def _ladder_fits_the_engine(self) -> AppArgs:
+        opts, backend = self.engine.options, self.engine.backend
+        limit = getattr(opts, "max_num_steps", None)
+        candidates = getattr(opts, "candidate_steps", None)  # SGLang captures graphs for these only
+        for i, tier in enumerate(self.policy.tiers):
+            if limit is not None and tier.num_steps > limit:
+                raise ValueError(
+                    f"policy.tiers[{i}].num_steps={tier.num_steps} exceeds engine.{backend}.max_num_steps={limit}"
+                )
+            if candidates is not None and tier.num_steps not in candidates:
+                raise ValueError(
+                    f"policy.tiers[{i}].num_steps={tier.num_steps} is not in engine.{backend}.candidate_steps={candidates}"
+                )
+        return self

@@ -1,0 +1,450 @@
+"""The control plane: replica load reports in, one cluster-wide ``num_steps`` out.
+
+:class:`ControlLoop` is plain Python (time is an argument): it aggregates the replicas'
+reports into the cluster queue, asks :func:`serve_app.policy.decide`, records switch events
+and measures how long each switch takes to reach every replica. The simulator drives it
+directly.
+
+:class:`ModeController` is the thin Ray actor around it: one named, detached actor per
+application. It ticks the loop, answers the replicas' long-polls, broadcasts each switch to
+the replica deployment, exports metrics, and keeps its state in Ray's internal KV store so
+that a restarted controller comes back with its mode, override, policy and events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from serve_app.config import ControllerOptions, PolicyConfig
+from serve_app.policy import Decision, LoadSample, ModeState, decide
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "specserve"
+
+
+def controller_name(app_name: str) -> str:
+    """The Ray actor name of an application's controller (in namespace ``specserve``)."""
+    return f"specserve-controller:{app_name}"
+
+
+@dataclass(slots=True)
+class ReplicaReport:
+    """The last load report of one replica."""
+
+    replica_id: str
+    time: float
+    waiting: int
+    running: int
+    num_steps: int
+    applied_version: int
+    output_tokens_per_s: float = 0.0
+    accept_rate: float = 0.0
+
+
+@dataclass(slots=True)
+class SwitchEvent:
+    """One mode switch: when, from what, to what, why, at what load, and how fast it spread."""
+
+    time: float
+    from_steps: int
+    to_steps: int
+    reason: str
+    version: int
+    load: float | None = None
+    detail: str = ""
+    propagation_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["from"], d["to"] = d.pop("from_steps"), d.pop("to_steps")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SwitchEvent:
+        d = dict(d)
+        d["from_steps"], d["to_steps"] = d.pop("from"), d.pop("to")
+        return cls(**d)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A switch on its way to the replicas that were live when it was decided."""
+
+    event: SwitchEvent
+    waiting_for: set[str]
+
+
+class ControlLoop:
+    """The controller's state and logic, without Ray."""
+
+    def __init__(self, policy: PolicyConfig, options: ControllerOptions):
+        self.policy = policy
+        self.configured_policy = policy
+        self.options = options
+        self.num_steps = policy.tiers[0].num_steps
+        self.override: int | None = None
+        self.version = 0
+        self.last_switch_time: float | None = None
+        self.events: deque[SwitchEvent] = deque(maxlen=options.max_events)
+        self.replicas: dict[str, ReplicaReport] = {}
+        self.samples: deque[LoadSample] = deque()
+        self.last_decision: Decision | None = None
+        self._pending: list[_Pending] = []
+        self._propagated: list[SwitchEvent] = []
+
+    @property
+    def mode(self) -> str:
+        return "auto" if self.override is None else "fixed"
+
+    # -- replicas ---------------------------------------------------------------------------
+
+    def report(self, report: ReplicaReport) -> tuple[int, int]:
+        """Take a replica's load report; answer the current (version, num_steps)."""
+        self.replicas[report.replica_id] = report
+        self.ack(report.replica_id, report.applied_version, report.time)
+        return self.version, self.num_steps
+
+    def ack(self, replica_id: str, version: int, now: float) -> None:
+        """A replica says it runs the mode of ``version`` (or a later one)."""
+        for pending in self._pending:
+            if pending.event.version <= version:
+                pending.waiting_for.discard(replica_id)
+        self._settle(now)
+
+    def live_replicas(self, now: float) -> list[ReplicaReport]:
+        """Replicas whose last report is fresh; the others drop out of the cluster queue."""
+        fresh = now - self.options.stale_after_s
+        return [r for r in self.replicas.values() if r.time >= fresh]
+
+    def cluster_queue(self, now: float) -> tuple[float, int]:
+        """(waiting + running summed over live replicas, number of live replicas)."""
+        live = self.live_replicas(now)
+        return float(sum(r.waiting + r.running for r in live)), len(live)
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def tick(self, now: float) -> SwitchEvent | None:
+        """Sample the cluster queue, forget dead replicas, ask the policy; returns a switch if any."""
+        live = {r.replica_id for r in self.live_replicas(now)}
+        for rid in [rid for rid in self.replicas if rid not in live]:
+            if self.replicas[rid].time < now - 10 * self.options.stale_after_s:
+                del self.replicas[rid]
+        for pending in self._pending:
+            pending.waiting_for &= live
+        self._settle(now)
+
+        queue, n = self.cluster_queue(now)
+        self.samples.append(LoadSample(now, queue, n))
+        while self.samples and self.samples[0].time < now - self.policy.history_s:
+            self.samples.popleft()
+        return self._decide(now)
+
+    def _decide(self, now: float) -> SwitchEvent | None:
+        state = ModeState(self.num_steps, self.last_switch_time, self.override)
+        decision = decide(state, list(self.samples), now, self.policy)
+        self.last_decision = decision
+        if not decision.switch:
+            return None
+        return self._switch(decision, now)
+
+    def _switch(self, decision: Decision, now: float) -> SwitchEvent:
+        self.version += 1
+        event = SwitchEvent(
+            now, self.num_steps, decision.num_steps, decision.reason, self.version, decision.load, decision.detail
+        )
+        self.num_steps = decision.num_steps
+        self.last_switch_time = now
+        self.events.append(event)
+        live = {r.replica_id for r in self.live_replicas(now)}
+        if live:
+            self._pending.append(_Pending(event, live))
+        return event
+
+    def _settle(self, now: float) -> None:
+        for p in self._pending:
+            if not p.waiting_for:
+                p.event.propagation_s = now - p.event.time
+                self._propagated.append(p.event)
+        self._pending = [p for p in self._pending if p.waiting_for]
+
+    def pop_propagated(self) -> list[SwitchEvent]:
+        """Switches that reached every replica since the last call."""
+        done, self._propagated = self._propagated, []
+        return done
+
+    # -- operator ---------------------------------------------------------------------------
+
+    def set_mode(self, mode: str, num_steps: int | None, now: float) -> SwitchEvent | None:
+        """``fixed`` pins ``num_steps`` (default: the current one); ``auto`` hands back to the policy."""
+        if mode == "fixed":
+            self.override = self.num_steps if num_steps is None else num_steps
+        elif mode == "auto":
+            self.override = None
+        else:
+            raise ValueError(f"mode must be 'auto' or 'fixed', got {mode!r}")
+        return self._decide(now)
+
+    def set_policy(self, patch: dict[str, Any], now: float) -> SwitchEvent | None:
+        """Change policy fields at run time (``tiers`` is replaced whole). Raises ValidationError."""
+        self.policy = PolicyConfig.model_validate({**self.policy.model_dump(), **patch})
+        return self._decide(now)
+
+    # -- reading and persistence -----------------------------------------------------------
+
+    def propagation_stats(self) -> dict[str, Any]:
+        times = sorted(e.propagation_s for e in self.events if e.propagation_s is not None)
+        if not times:
+            return {"count": 0, "p50_s": None, "p99_s": None, "max_s": None}
+
+        def pct(q: float) -> float:
+            return times[min(len(times) - 1, int(q * len(times)))]
+
+        return {"count": len(times), "p50_s": pct(0.5), "p99_s": pct(0.99), "max_s": times[-1]}
+
+    def status(self, now: float) -> dict[str, Any]:
+        """The body of ``GET /v1/speculation``."""
+        queue, n = self.cluster_queue(now)
+        d = self.last_decision
+        return {
+            "mode": self.mode,
+            "num_steps": self.num_steps,
+            "override": self.override,
+            "version": self.version,
+            "cluster_queue": queue,
+            "load_per_replica": queue / n if n else None,
+            "replicas": [
+                {
+                    "id": r.replica_id,
+                    "num_steps": r.num_steps,
+                    "applied_version": r.applied_version,
+                    "waiting": r.waiting,
+                    "running": r.running,
+                    "output_tokens_per_s": r.output_tokens_per_s,
+                    "accept_rate": r.accept_rate,
+                    "report_age_s": round(now - r.time, 3),
+                }
+                for r in sorted(self.live_replicas(now), key=lambda r: r.replica_id)
+            ],
+            "events": [e.to_dict() for e in self.events],
+            "policy": self.policy.model_dump(),
+            "last_decision": None if d is None else {"reason": d.reason, "detail": d.detail, "load": d.load},
+            "propagation": self.propagation_stats(),
+            "time": now,
+        }
+
+    def to_persisted(self) -> dict[str, Any]:
+        """What survives a restart: mode, override, policy, version and events."""
+        return {
+            "num_steps": self.num_steps,
+            "override": self.override,
+            "version": self.version,
+            "last_switch_time": self.last_switch_time,
+            "policy": self.policy.model_dump(),
+            "configured_policy": self.configured_policy.model_dump(),
+            "events": [e.to_dict() for e in self.events],
+        }
+
+    @classmethod
+    def from_persisted(cls, data: dict[str, Any], policy: PolicyConfig, options: ControllerOptions) -> ControlLoop:
+        """Rebuild the loop. If the application's configured policy changed since the state was
+        saved (a redeploy with new args), the new configured policy wins over run-time edits."""
+        loop = cls(policy, options)
+        if PolicyConfig.model_validate(data["configured_policy"]) == policy:
+            loop.policy = PolicyConfig.model_validate(data["policy"])
+        loop.num_steps = data["num_steps"]
+        loop.override = data["override"]
+        loop.version = data["version"]
+        loop.last_switch_time = data["last_switch_time"]
+        loop.events.extend(SwitchEvent.from_dict(e) for e in data["events"])
+        return loop
+
+
+# -- the Ray actor ----------------------------------------------------------------------------
+
+
+def _kv_key(app_name: str) -> bytes:
+    return f"specserve/controller/{app_name}".encode()
+
+
+class ModeController:
+    """One per application: a named, detached, restartable Ray actor around a ControlLoop.
+
+    Create it with :func:`get_or_create_controller`; do not instantiate it directly.
+    """
+
+    async def __init__(self, app_name: str, deployment_name: str, policy: dict, options: dict):
+        from ray.experimental import internal_kv
+
+        from serve_app.metrics import controller_metrics
+
+        self._kv = internal_kv
+        self._app_name = app_name
+        self._deployment_name = deployment_name
+        self._metrics = controller_metrics(app_name)
+        self._waiters: set[asyncio.Future] = set()
+        self._loop = self._load(PolicyConfig.model_validate(policy), ControllerOptions.model_validate(options))
+        self._ticker = asyncio.create_task(self._run())
+        # Importing Serve and making a handle takes ~1 s: do it now, off the loop that
+        # answers long-polls, rather than at the first switch.
+        self._handle = asyncio.ensure_future(asyncio.to_thread(self._deployment_handle))
+
+    def _deployment_handle(self):
+        from ray import serve
+
+        return serve.get_deployment_handle(self._deployment_name, self._app_name)
+
+    def _load(self, policy: PolicyConfig, options: ControllerOptions) -> ControlLoop:
+        raw = self._kv._internal_kv_get(_kv_key(self._app_name))
+        if raw is None:
+            return ControlLoop(policy, options)
+        try:
+            loop = ControlLoop.from_persisted(json.loads(raw), policy, options)
+            logger.info("controller %s restored at version %d", self._app_name, loop.version)
+            return loop
+        except Exception:  # a state from an incompatible version must not wedge the app
+            logger.exception("controller %s: persisted state unreadable, starting fresh", self._app_name)
+            return ControlLoop(policy, options)
+
+    def _save(self) -> None:
+        self._kv._internal_kv_put(_kv_key(self._app_name), json.dumps(self._loop.to_persisted()), overwrite=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._loop.options.report_interval_s)
+            try:
+                now = time.time()
+                self._after(self._loop.tick(now))
+                queue, n = self._loop.cluster_queue(now)
+                self._metrics.observe_state(self._loop.num_steps, queue, n)
+            except Exception:
+                logger.exception("controller tick failed")
+
+    def _after(self, event: SwitchEvent | None) -> None:
+        """Publish a switch (if any) and record propagations that completed."""
+        if event is not None:
+            logger.info("switch %d -> %d (%s: %s)", event.from_steps, event.to_steps, event.reason, event.detail)
+            self._metrics.observe_switch(event.from_steps, event.to_steps, event.reason, event.time)
+            self._save()
+            for fut in self._waiters:
+                if not fut.done():
+                    fut.set_result(None)
+            asyncio.get_running_loop().create_task(self._broadcast(self._loop.version, self._loop.num_steps))
+        done = self._loop.pop_propagated()
+        for e in done:
+            self._metrics.observe_propagation(e.propagation_s)  # type: ignore[arg-type]
+        if done:
+            self._save()
+
+    async def _broadcast(self, version: int, num_steps: int) -> None:
+        # The long-poll is what guarantees delivery; this direct push is a second path.
+        try:
+            handle = await self._handle
+            await handle.broadcast("apply_mode", version, num_steps).results_async(
+                timeout_s=5.0, return_exceptions=True
+            )
+        except Exception as e:
+            logger.info("direct broadcast of version %d failed (long-poll still delivers): %s", version, e)
+
+    # -- called by replicas -------------------------------------------------------------------
+
+    async def get_mode(self) -> tuple[int, int]:
+        """(version, num_steps) now."""
+        return self._loop.version, self._loop.num_steps
+
+    async def wait_for_mode(self, known_version: int, timeout_s: float) -> tuple[int, int]:
+        """Long-poll: return (version, num_steps) as soon as version > known_version, or after timeout_s."""
+        if self._loop.version <= known_version:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.add(fut)
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            except TimeoutError:
+                pass
+            finally:
+                self._waiters.discard(fut)
+        return self._loop.version, self._loop.num_steps
+
+    async def report(self, report: dict[str, Any]) -> tuple[int, int]:
+        """A replica's load report (see ReplicaReport); answers (version, num_steps).
+
+        The report's own ``time`` counts, so a report delayed by a controller restart arrives stale."""
+        report = {**report, "time": min(report.get("time", time.time()), time.time())}
+        answer = self._loop.report(ReplicaReport(**report))
+        self._after(None)
+        return answer
+
+    async def ack(self, replica_id: str, version: int) -> None:
+        self._loop.ack(replica_id, version, time.time())
+        self._after(None)
+
+    # -- called by the ingress ----------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        return self._loop.status(time.time())
+
+    async def update(self, mode: str | None, num_steps: int | None, policy: dict | None) -> dict[str, Any]:
+        """Operator change; answers the new status, or {"error": ..., "param": ...}."""
+        from pydantic import ValidationError
+
+        now = time.time()
+        try:
+            if policy:
+                self._after(self._loop.set_policy(policy, now))
+            if mode is not None:
+                self._after(self._loop.set_mode(mode, num_steps, now))
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in ("policy", *err["loc"]))
+            return {"error": f"{field}: {err['msg']}", "param": field}
+        except ValueError as e:
+            return {"error": str(e), "param": "mode"}
+        self._save()
+        return self._loop.status(now)
+
+    async def configure(self, policy: dict, options: dict) -> None:
+        """Adopt the application's configured policy and options if they changed (a redeploy
+        with new args); run-time policy edits survive otherwise."""
+        configured = PolicyConfig.model_validate(policy)
+        self._loop.options = ControllerOptions.model_validate(options)
+        if configured != self._loop.configured_policy:
+            self._loop.configured_policy = self._loop.policy = configured
+            self._save()
+
+    async def ping(self) -> bool:
+        return True
+
+
+def get_or_create_controller(app_name: str, deployment_name: str, policy: PolicyConfig, options: ControllerOptions):
+    """The application's controller actor, created on first call (safe to race)."""
+    import ray
+
+    actor_cls = ray.remote(ModeController)
+    return actor_cls.options(
+        name=controller_name(app_name),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=-1,
+        max_task_retries=-1,
+        max_concurrency=10_000,
+        num_cpus=0,
+    ).remote(app_name, deployment_name, policy.model_dump(), options.model_dump())
+
+
+def delete_controller(app_name: str) -> None:
+    """Kill an application's controller and forget its saved state (tests, app teardown)."""
+    import ray
+    from ray.experimental import internal_kv
+
+    try:
+        ray.kill(ray.get_actor(controller_name(app_name), namespace=NAMESPACE), no_restart=True)
+    except ValueError:
+        pass
+    internal_kv._internal_kv_del(_kv_key(app_name))

@@ -1,0 +1,100 @@
+"""Every Ray metric specserve exports, in one place.
+
+Ray exports these with a ``ray_`` prefix (counters also get ``_total``) and labels every
+series with its WorkerId. Metrics are created per process on first use; the objects are
+cheap to call from hot paths.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+# Switch propagation is ~ms; TTFT and TPOT span CPU (slow) and GPU (fast) engines.
+PROPAGATION_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+TPOT_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+
+
+class ControllerMetrics:
+    """What the controller exports: the cluster's mode, load and switches."""
+
+    def __init__(self, app: str):
+        self._tags = {"app": app}
+        self.num_steps = Gauge(
+            "specserve_cluster_num_steps", "Draft steps the controller asks every replica to run.", ("app",)
+        )
+        self.cluster_queue = Gauge(
+            "specserve_cluster_queue", "Waiting + running requests over live replicas.", ("app",)
+        )
+        self.live_replicas = Gauge("specserve_live_replicas", "Replicas with a fresh load report.", ("app",))
+        self.switches = Counter(
+            "specserve_switches", "Mode switches decided by the controller.", ("app", "from", "to", "reason")
+        )
+        self.last_switch_time = Gauge(
+            "specserve_last_switch_timestamp_seconds", "Unix time of the last mode switch.", ("app",)
+        )
+        self.propagation = Histogram(
+            "specserve_switch_propagation_seconds",
+            "Time from a switch decision to its application on the last live replica.",
+            PROPAGATION_BOUNDARIES_S,
+            ("app",),
+        )
+
+    def observe_state(self, num_steps: int, queue: float, replicas: int) -> None:
+        self.num_steps.set(num_steps, self._tags)
+        self.cluster_queue.set(queue, self._tags)
+        self.live_replicas.set(replicas, self._tags)
+
+    def observe_switch(self, from_steps: int, to_steps: int, reason: str, time_s: float) -> None:
+        self.switches.inc(1, {**self._tags, "from": str(from_steps), "to": str(to_steps), "reason": reason})
+        self.last_switch_time.set(time_s, self._tags)
+
+    def observe_propagation(self, seconds: float) -> None:
+        self.propagation.observe(seconds, self._tags)
+
+
+class ReplicaMetrics:
+    """What each replica exports: its mode, its load and its requests' latency."""
+
+    def __init__(self, app: str, replica: str):
+        self._tags = {"app": app, "replica": replica}
+        keys = ("app", "replica")
+        self.num_steps = Gauge("specserve_replica_num_steps", "Draft steps this replica's engine runs.", keys)
+        self.waiting = Gauge("specserve_replica_waiting", "Requests waiting in this replica's engine.", keys)
+        self.running = Gauge("specserve_replica_running", "Requests running in this replica's engine.", keys)
+        self.ttft = Histogram(
+            "specserve_ttft_seconds", "Time to first token, at the replica.", TTFT_BOUNDARIES_S, ("app", "num_steps")
+        )
+        self.tpot = Histogram(
+            "specserve_tpot_seconds",
+            "Mean time per output token after the first, per request.",
+            TPOT_BOUNDARIES_S,
+            ("app", "num_steps"),
+        )
+        self.output_tokens = Counter("specserve_output_tokens", "Output tokens generated.", keys)
+
+    def observe_load(self, num_steps: int, waiting: int, running: int) -> None:
+        self.num_steps.set(num_steps, self._tags)
+        self.waiting.set(waiting, self._tags)
+        self.running.set(running, self._tags)
+
+    def observe_request(self, num_steps: int, ttft_s: float | None, tpot_s: float | None, output_tokens: int) -> None:
+        tags = {"app": self._tags["app"], "num_steps": str(num_steps)}
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, tags)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s, tags)
+        if output_tokens:
+            self.output_tokens.inc(output_tokens, self._tags)
+
+
+@cache
+def controller_metrics(app: str) -> ControllerMetrics:
+    return ControllerMetrics(app)
+
+
+@cache
+def replica_metrics(app: str, replica: str) -> ReplicaMetrics:
+    return ReplicaMetrics(app, replica)

@@ -1,0 +1,275 @@
+"""The OpenAI HTTP protocol, as far as specserve speaks it: requests, responses, errors.
+
+Unknown request fields are ignored (clients send many); known fields with values we cannot
+honour (``n > 1``, ``logprobs``, ``echo``...) are rejected with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serve_app.engines.base import SamplingParams
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class UnsupportedParameter(ValueError):
+    """A known OpenAI parameter with a value specserve does not serve."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _Sampling(_Lenient):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extension (vLLM's name): keep generating past the end-of-sequence token.
+    ignore_eos: bool = False
+
+    default_max_tokens: ClassVar[int] = 16
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's SamplingParams; raises UnsupportedParameter for what we do not serve."""
+        if self.n not in (None, 1):
+            raise UnsupportedParameter("only n=1 is supported", "n")
+        if self.logprobs not in (None, False, 0):
+            raise UnsupportedParameter("logprobs are not supported", "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise UnsupportedParameter(f"{name} is not supported", name)
+        if self.logit_bias:
+            raise UnsupportedParameter("logit_bias is not supported", "logit_bias")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        params = SamplingParams(
+            max_tokens=self._max_tokens(),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            stop=stop,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+        params.validate()
+        return params
+
+    def _max_tokens(self) -> int:
+        return self.default_max_tokens if self.max_tokens is None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``. One prompt: a string, a list of token ids, or a list of one of those."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
+            raise ValueError("only one prompt per request is supported")
+        if not prompt and prompt != "":
+            raise ValueError("the prompt is empty")
+        return prompt
+
+    def prompt_text_or_ids(self) -> tuple[str | None, list[int] | None]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            return p, None
+        return None, list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise UnsupportedParameter("echo is not supported", "echo")
+        if self.best_of not in (None, 1):
+            raise UnsupportedParameter("best_of is not supported", "best_of")
+        if self.suffix:
+            raise UnsupportedParameter("suffix is not supported", "suffix")
+        return super().sampling_params()
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+
+    default_max_tokens: ClassVar[int] = 512
+
+    def _max_tokens(self) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super()._max_tokens()
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise UnsupportedParameter("tools are not supported", "tools")
+        return super().sampling_params()
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        # The chat templates know "system", not OpenAI's newer "developer".
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(
+    rid: str, model: str, text: str, finish_reason: str | None, usage_: dict | None, created: int | None = None
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage_,
+    }
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str | None, usage_: dict) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None, usage_: dict | None = None
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None`` gives the usage-only final chunk (no choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def completion_chunk(
+    rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None, usage_: dict | None = None
+) -> dict[str, Any]:
+    choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def model_list(model: str, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": created, "owned_by": "specserve"}],
+    }
+
+
+ErrorType = Literal[
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "rate_limit_error",
+    "server_error",
+]
+
+
+def error_body(message: str, type_: ErrorType, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# -- operator API -----------------------------------------------------------------------------
+
+
+class SpeculationUpdate(BaseModel):
+    """``PUT /v1/speculation``: force a mode, return to auto, and/or change policy fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["auto", "fixed"] | None = None
+    num_steps: int | None = Field(default=None, ge=0, le=64)
+    policy: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> SpeculationUpdate:
+        if self.num_steps is not None and self.mode != "fixed":
+            raise ValueError("num_steps is only valid with mode 'fixed'")
+        if self.mode is None and self.policy is None:
+            raise ValueError("give 'mode' and/or 'policy'")
+        return self

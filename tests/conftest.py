@@ -1,0 +1,163 @@
+"""Shared fixtures. ``ray_session`` starts one local Ray for the whole test session, on demand."""
+
+import os
+
+import pytest
+
+# Set before Ray starts so that every Ray worker inherits them.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+TEST_ADMIN_TOKEN_ENV = "SPECSERVE_TEST_ADMIN_TOKEN"
+TEST_ADMIN_TOKEN = "test-admin-token"
+os.environ[TEST_ADMIN_TOKEN_ENV] = TEST_ADMIN_TOKEN
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray with 2 CPUs and 8 fake GPUs; Serve is shut down at the end."""
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        num_gpus=8,
+        include_dashboard=False,
+        object_store_memory=200 * 1024 * 1024,
+        log_to_driver=False,
+        namespace="specserve-tests",
+    )
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_session):
+    """Serve's HTTP proxy on a free local port (other test runs may hold 8000)."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+# A policy that moves fast enough for tests: load/replica < 2 → 4 steps, else 0.
+TEST_POLICY = {
+    "tiers": [{"below": 2, "num_steps": 4}, {"num_steps": 0}],
+    "margin": 0.5,
+    "dwell_s": 0.5,
+    "min_switch_interval_s": 1.0,
+    "smoothing_s": 0.5,
+}
+
+
+def app_args(model: str = "tiny-random", **overrides) -> dict:
+    args = {
+        "engine": {"embedded": {"model": model, "device": "cpu", "num_threads": 1, "max_num_seqs": 16}},
+        "num_replicas": 2,
+        "replica_ray_actor_options": {"num_cpus": 0},
+        "admin_token_env": TEST_ADMIN_TOKEN_ENV,
+        "policy": TEST_POLICY,
+    }
+    args.update(overrides)
+    return args
+
+
+class LiveApp:
+    """A deployed specserve application and the ways tests talk to it."""
+
+    def __init__(self, name: str, base_url: str, args: dict):
+        import httpx
+
+        self.name, self.base_url, self.args = name, base_url, args
+        self.prefix = f"{base_url}/{name}"
+        self.http = httpx.Client(base_url=self.prefix, timeout=120)
+        self.admin = {"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}
+
+    def speculation(self) -> dict:
+        r = self.http.get("/v1/speculation")
+        r.raise_for_status()
+        return r.json()
+
+    def put(self, body: dict, headers: dict | None = None):
+        return self.http.put("/v1/speculation", json=body, headers=self.admin if headers is None else headers)
+
+    def wait_until(self, predicate, timeout_s: float = 30.0, every_s: float = 0.05) -> dict:
+        """Poll GET /v1/speculation until predicate(status) holds; returns that status."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.speculation()
+            if predicate(status):
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met in {timeout_s}s; last status: {status}")
+            time.sleep(every_s)
+
+    def all_replicas_at(self, num_steps: int, count: int | None = None):
+        def check(s):
+            reps = s["replicas"]
+            return (
+                s["num_steps"] == num_steps
+                and (count is None or len(reps) == count)
+                and bool(reps)
+                and all(r["num_steps"] == num_steps and r["applied_version"] == s["version"] for r in reps)
+            )
+
+        return check
+
+    def reset(self) -> None:
+        """Back to auto mode with the configured policy, idle."""
+        r = self.put({"mode": "auto", "policy": self.args["policy"]})
+        r.raise_for_status()
+        first = self.args["policy"]["tiers"][0]["num_steps"]
+        self.wait_until(self.all_replicas_at(first))
+
+
+def deploy(name: str, base_url: str, args: dict) -> LiveApp:
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.controller import delete_controller
+
+    delete_controller(name)
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    return LiveApp(name, base_url, args)
+
+
+def undeploy(app: LiveApp) -> None:
+    from ray import serve
+
+    from serve_app.controller import delete_controller
+
+    serve.delete(app.name)
+    delete_controller(app.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_app(serve_http):
+    """One application on the tiny random model with 2 replicas, shared by the app tests."""
+    app = deploy("tiny", serve_http, app_args())
+    yield app
+    undeploy(app)
+
+
+@pytest.fixture
+def fresh_tiny_app(tiny_app):
+    """The shared tiny app, reset to auto mode and its configured policy before and after."""
+    tiny_app.reset()
+    yield tiny_app
+    tiny_app.reset()

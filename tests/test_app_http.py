@@ -1,0 +1,173 @@
+"""The OpenAI-compatible HTTP API and the Ray handle API, on the shared tiny-model app."""
+
+import json
+
+import openai
+import pytest
+
+from tests.conftest import TEST_ADMIN_TOKEN, app_args, deploy, undeploy
+
+
+@pytest.fixture(scope="module")
+def client(tiny_app):
+    return openai.OpenAI(base_url=f"{tiny_app.prefix}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_lists_the_model(client):
+    assert [m.id for m in client.models.list()] == ["tiny-random"]
+
+
+def test_openai_client_completion(client):
+    out = client.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert out.object == "text_completion"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
+    again = client.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert again.choices[0].text == out.choices[0].text  # greedy is deterministic
+
+
+def test_openai_client_chat(client):
+    out = client.chat.completions.create(
+        model="tiny-random", messages=[{"role": "user", "content": "Say hi"}], max_tokens=6, temperature=0
+    )
+    assert out.choices[0].message.role == "assistant"
+    assert isinstance(out.choices[0].message.content, str)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_openai_client_streaming_chat_matches_non_streaming(client):
+    kwargs = dict(model="tiny-random", messages=[{"role": "user", "content": "Count"}], max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_streaming_completion_ends_with_done(tiny_app):
+    body = {"prompt": "abc", "max_tokens": 5, "temperature": 0, "stream": True}
+    with tiny_app.http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "usage" not in chunks[0]  # only with stream_options.include_usage
+
+
+def test_token_id_prompts_are_accepted(tiny_app):
+    r = tiny_app.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    assert r.json()["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"max_tokens": 4}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temperature": 9}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "temperature": 9, "stream": True},
+            "temperature",
+        ),
+    ],
+)
+def test_bad_input_is_a_400_openai_error_naming_the_field(tiny_app, path, body, param):
+    r = tiny_app.http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert param in (err["param"] or "") or param in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_malformed_json_is_a_400(tiny_app):
+    r = tiny_app.http.post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]["message"]
+
+
+def test_unknown_model_and_route_are_404s(tiny_app, client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
+    r = tiny_app.http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_health(tiny_app):
+    assert tiny_app.http.get("/health").json() == {"status": "ok"}
+
+
+def test_operator_api_requires_the_bearer_token(tiny_app):
+    body = {"mode": "auto"}
+    assert tiny_app.put(body, headers={}).status_code == 401
+    assert tiny_app.put(body, headers={"Authorization": "Bearer nope"}).status_code == 403
+    assert tiny_app.put(body, headers={"Authorization": f"Bearer {TEST_ADMIN_TOKEN}"}).status_code == 200
+    assert tiny_app.http.get("/v1/speculation").status_code == 200  # reading needs no token
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"mode": "sometimes"}, "mode"),
+        ({"num_steps": 3}, "num_steps"),
+        ({"policy": {"margin": -1}}, "policy.margin"),
+        ({"policy": {"tiers": [{"below": 2, "num_steps": 4}]}}, "policy"),
+    ],
+)
+def test_bad_operator_input_is_a_400(tiny_app, body, param):
+    r = tiny_app.put(body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert param in (err["param"] or "") or param in err["message"], err
+
+
+def test_speculation_status_has_the_documented_shape(tiny_app):
+    s = tiny_app.speculation()
+    assert s["mode"] in ("auto", "fixed")
+    assert {"num_steps", "version", "cluster_queue", "replicas", "events", "policy"} <= s.keys()
+    assert len(s["replicas"]) == 2
+    assert {"id", "num_steps", "waiting", "running"} <= s["replicas"][0].keys()
+
+
+def test_handle_api_from_another_ray_task(tiny_app, ray_session):
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    def use_handle(app_name):
+        from ray import serve
+
+        handle = serve.get_app_handle(app_name)
+        one = handle.generate.remote("Hello", max_tokens=6, temperature=0).result()
+        deltas = list(handle.options(stream=True).generate_stream.remote("Hello", max_tokens=6, temperature=0))
+        chat = handle.generate.remote(messages=[{"role": "user", "content": "hi"}], max_tokens=3).result()
+        try:
+            handle.generate.remote("Hello", max_tokens=-1).result()
+            bad = None
+        except Exception as e:  # InvalidRequestError, re-raised through Ray
+            bad = (type(e).__name__, getattr(e, "param", None))
+        return one, deltas, chat, bad
+
+    one, deltas, chat, bad = ray.get(use_handle.remote(tiny_app.name), timeout=120)
+    assert one["completion_tokens"] == 6 and one["finish_reason"] == "length"
+    assert "".join(d["text"] for d in deltas) == one["text"]
+    assert sum(len(d["token_ids"]) for d in deltas) == 6 and deltas[-1]["finish_reason"] == "length"
+    assert chat["completion_tokens"] <= 3
+    assert bad is not None and "InvalidRequestError" in bad[0] and bad[1] == "max_tokens"
+
+
+def test_operator_api_answers_403_with_instructions_when_no_token_is_configured(serve_http):
+    app = deploy("noauth", serve_http, app_args(num_replicas=1, admin_token_env="SPECSERVE_UNSET_FOR_TESTS"))
+    try:
+        r = app.put({"mode": "auto"}, headers={"Authorization": "Bearer anything"})
+        assert r.status_code == 403
+        assert "SPECSERVE_UNSET_FOR_TESTS" in r.json()["error"]["message"]
+    finally:
+        undeploy(app)
