@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install what the tests need, then run the whole suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export SPECSERVE_SGLANG_WHEEL="${SPECSERVE_SGLANG_WHEEL:-$(PYTHON=.venv/bin/python .ci/fetch_sglang_wheel.sh)}"
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,68 @@
+"""Lossless switching: greedy output never depends on num_steps, however often it changes."""
+
+import random
+
+import pytest
+
+from serve_app.bench.prompts import PROMPT_SETS
+
+from .engine_helpers import run_greedy, sync_engine
+
+TINY_PROMPTS = [f"Prompt {i}: " + " ".join(f"w{(i * 7 + j) % 13}" for j in range(5 + 3 * i)) for i in range(20)]
+
+
+def random_schedule(seed: int, choices=(0, 1, 2, 3, 5), every=(1, 4)):
+    rng = random.Random(seed)
+    state = {"k": 0, "until": 0}
+
+    def schedule(step: int) -> int:
+        if step >= state["until"]:
+            state["k"], state["until"] = rng.choice(choices), step + rng.randint(*every)
+        return state["k"]
+    return schedule
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # A small prefill budget makes long prompts prefill in chunks while others decode.
+    return sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24)
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])
+def test_tiny_model_output_is_identical_for_every_num_steps_and_random_switches(tiny, together):
+    reference = run_greedy(tiny, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False)
+    for k in (3, 5):
+        assert run_greedy(tiny, TINY_PROMPTS, lambda s, k=k: k, max_tokens=40, together=together) == reference
+    for seed in range(3):
+        assert run_greedy(tiny, TINY_PROMPTS, random_schedule(seed), max_tokens=40, together=together) == reference
+    assert tiny.core.totals["accepted"] > 0, "drafts were never accepted: the test did not exercise verify"
+    assert tiny.core.totals["proposed"] > tiny.core.totals["accepted"], "drafts were never rejected"
+
+
+def test_more_requests_than_slots_queue_and_still_match(tiny):
+    prompts = TINY_PROMPTS * 2  # 40 requests through 8 slots: admission, compaction, chunked prefill
+    reference = run_greedy(tiny, prompts[:20], lambda s: 0, max_tokens=24, together=False) * 2
+    assert run_greedy(tiny, prompts, random_schedule(7), max_tokens=24, together=True) == reference
+
+
+def test_stop_strings_end_at_the_same_token_with_and_without_speculation(tiny):
+    reference = run_greedy(tiny, TINY_PROMPTS[:6], lambda s: 0, max_tokens=40, together=False)
+    text = tiny.tokenizer.decode(reference[0][10:12])
+    stop = [text.strip()[:3]] if text.strip() else ["w"]
+    plain = run_greedy(tiny, TINY_PROMPTS[:6], lambda s: 0, max_tokens=40, stop=stop)
+    spec = run_greedy(tiny, TINY_PROMPTS[:6], lambda s: 5, max_tokens=40, stop=stop)
+    assert plain == spec
+    assert len(plain[0]) < 40, "the stop string never matched: the test did not test stopping"
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_output_is_identical_for_every_num_steps_alone_and_batched():
+    engine = sync_engine(max_num_seqs=24, max_model_len=1024)
+    prompts = [engine.apply_chat_template([{"role": "user", "content": p}])
+               for p in PROMPT_SETS["copy"][:10] + PROMPT_SETS["chat"][:10]]
+    reference = run_greedy(engine, prompts, lambda s: 0, max_tokens=24, together=False)
+    assert run_greedy(engine, prompts, lambda s: 3, max_tokens=24, together=False) == reference
+    assert run_greedy(engine, prompts, random_schedule(1), max_tokens=24, together=False) == reference
+    for schedule in (lambda s: 0, lambda s: 5, random_schedule(2)):
+        assert run_greedy(engine, prompts, schedule, max_tokens=24, together=True) == reference
+    assert engine.core.totals["accepted"] > 0
