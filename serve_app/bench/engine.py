@@ -2,8 +2,9 @@
 
 Closed-loop clients: at concurrency c, c clients each send the next prompt as soon as their
 previous request finishes, all against one engine that is started once and switched
-between points with ``set_num_steps``. Generation is greedy with ``ignore_eos`` so every
-request outputs exactly ``max_tokens`` tokens. Points at one concurrency run back to back
+between points with ``set_num_steps``. Generation is greedy and stops at the model's end of
+turn (or ``max_tokens``); greedy output does not depend on num_steps, so every point of a
+prompt set produces the same tokens. ``--ignore-eos`` makes every request run to max_tokens. Points at one concurrency run back to back
 for every num_steps, so the ratios between them see the same machine load.
 
 The same run times Hugging Face transformers on the same weights and rendered prompts
@@ -67,12 +68,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per num_steps before the grid")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for engine and HF (default torch's)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baseline")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly max_tokens per request (the model's continuation past its end of turn)")
     p.add_argument("--hf-max-tokens", type=int, default=None, help="output tokens in the HF pairs (default --max-tokens)")
     p.add_argument("--hf-prompts", type=int, default=8, help="prompts of the batch-1 HF pairs")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
 
 
 def run(args: argparse.Namespace) -> int:
+    global IGNORE_EOS
+    IGNORE_EOS = args.ignore_eos
     if args.max_tokens < 1 or (args.hf_max_tokens is not None and args.hf_max_tokens < 1):
         sys.exit("max tokens must be positive")
     if args.requests_per_point is not None and args.requests_per_point < max(args.concurrency):
@@ -92,9 +97,12 @@ def run(args: argparse.Namespace) -> int:
 _request_ids = itertools.count()
 
 
+IGNORE_EOS = False  # set from --ignore-eos for the whole run
+
+
 async def timed_request(engine, prompt: str, max_tokens: int) -> RequestTiming:
     """Send one greedy request and time its token deltas from submission."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=IGNORE_EOS)
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
@@ -153,11 +161,12 @@ def load_hf_model(model: str):
 
 
 class HFBaseline:
-    """Greedy ``generate()`` of exactly ``max_tokens`` new tokens, timed."""
+    """Greedy ``generate()``, timed; stops where the engine stops (end of turn or max_tokens)."""
 
     def __init__(self, model: str, tokenizer):
         self.model = load_hf_model(model)
         self.tokenizer = tokenizer
+        self.eos_ids = {tokenizer.eos_token_id}
         self.generate([PROMPT_SETS["chat"][0]], 4)  # warm up; first calls pay one-off costs
 
     def generate(self, prompts: list[str], max_tokens: int, prompt_lookup: int | None = None) -> tuple[int, float]:
@@ -166,14 +175,24 @@ class HFBaseline:
 
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+        if IGNORE_EOS:
+            kwargs["min_new_tokens"] = max_tokens
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(**enc, do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            out = self.model.generate(**enc, do_sample=False, max_new_tokens=max_tokens,
                                       pad_token_id=self.tokenizer.pad_token_id, **kwargs)
         seconds = time.perf_counter() - t0
-        new_tokens = (out.shape[1] - enc.input_ids.shape[1]) * out.shape[0]
-        assert new_tokens == max_tokens * len(prompts), "transformers stopped early: the pair would be unfair"
-        return new_tokens, seconds
+        new = out[:, enc.input_ids.shape[1]:]
+        if IGNORE_EOS:
+            assert new.shape[1] == max_tokens, "transformers stopped early: the pair would be unfair"
+            return new.numel(), seconds
+        # Count each row up to and including its end of turn, as the engine counts.
+        eos = torch.tensor(sorted(self.eos_ids))
+        tokens = 0
+        for row in new:
+            hits = torch.isin(row, eos).nonzero()
+            tokens += int(hits[0]) + 1 if len(hits) else len(row)
+        return tokens, seconds
 
 
 async def measure_pair(engine, hf: HFBaseline, prompts: list[str], batch: int, num_steps: int, max_tokens: int,
@@ -265,6 +284,7 @@ def _meta(args, threads: int) -> dict:
         "threads": threads,
         "model": args.model,
         "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
         "hf_max_tokens": None if args.no_hf else (args.hf_max_tokens or args.max_tokens),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python -m serve_app.bench", *sys.argv[1:]]),

@@ -142,15 +142,15 @@ class EngineCore:
                 probs = probs_from_logits(logits[row, :len(draft) + 1], seq.params.temperature, seq.params.top_p)
                 out, n = rejection_sample(draft, None, probs, seq.generator)
             seq.num_cached += 1 + n
-            emitted += self._append(seq, out)
             accepted_per_seq.append(n)
-            if draft:
+            if draft:  # counted before the output goes out, so a finished client sees its step
                 proposed_n, accepted_n, verifies = proposed_n + len(draft), accepted_n + n, verifies + 1
+                self.totals["proposed"] += len(draft)
+                self.totals["accepted"] += n
+                self.totals["verifies"] += 1
+            emitted += self._append(seq, out)
         if self.drafter.needs_hidden:
             self.drafter.observe([s.request_id for s in seqs], hidden, accepted_per_seq)
-        self.totals["proposed"] += proposed_n
-        self.totals["accepted"] += accepted_n
-        self.totals["verifies"] += verifies
         self.stats.record(emitted, proposed_n, accepted_n, verifies)
 
     # -- output -----------------------------------------------------------------------
