@@ -1,0 +1,182 @@
+"""``bench serve``: static spec vs static off vs dynamic through the whole serving stack.
+
+For each concurrency c, each policy in turn (spec, off, dynamic: back to back, so the ratios
+between them see the same machine conditions) runs c closed-loop streaming clients over HTTP
+(``/v1/chat/completions``, greedy) on the same prompt sequence. ``spec`` pins the ladder's
+top tier and ``off`` pins num_steps 0 through ``PUT /v1/speculation``; ``dynamic`` hands the
+mode back to the policy (``mode: auto``).
+
+A point runs continuously. Its first ``--settle-s`` seconds are warm-up and are not measured:
+the load reaches c, and under ``dynamic`` the controller has time to reach the tier of that
+load (dwell + min switch interval). Then ``--measure-s`` seconds are measured:
+
+- output tokens/s: tokens delivered in the window (from every request, whenever it started);
+- TTFT / TPOT p50 and p99: requests submitted in the window; the clients keep sending
+  (unmeasured) requests until the last of them ends, so they all see load c;
+- switches: controller mode changes in the window; ``mode_share``: the share of the window
+  spent in each num_steps; ``mean_load_per_replica``: what the controller saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+
+from tqdm import tqdm
+
+from .client import POLICIES, Poller, Target, add_target_arguments, prompt_messages, run_against_target
+from .engine import _f as f
+from .engine import _int_list
+from .stats import summarize
+
+HELP = "spec vs off vs dynamic over a concurrency sweep, through the HTTP serving stack"
+
+
+def _policies(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in POLICIES for n in names):
+        raise argparse.ArgumentTypeError(f"policies are {', '.join(POLICIES)}; got {text!r}")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_target_arguments(p)
+    p.add_argument("--policies", type=_policies, default=list(POLICIES), help="comma list (default spec,off,dynamic)")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32], help="comma list")
+    p.add_argument("--settle-s", type=float, default=15.0, help="unmeasured seconds at the start of each point")
+    p.add_argument("--measure-s", type=float, default=30.0, help="measured seconds of each point")
+    p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: the ladder's top tier)")
+    p.add_argument("--out", default=None, help="write the results as JSON to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    if 0 in args.concurrency:
+        sys.exit("concurrency must be positive")
+    result = run_against_target(args, lambda target: sweep(target, args))
+    print(format_table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+# -- one point ---------------------------------------------------------------------------
+async def run_point(target: Target, poller: Poller, prompts: list[list[dict]], concurrency: int, settle_s: float,
+                    measure_s: float, max_tokens: int, ignore_eos: bool) -> dict:
+    """c closed-loop clients: settle, then measure (see the module docstring)."""
+    t0 = time.perf_counter() + settle_s
+    t1 = t0 + measure_s
+    records, measured = [], []
+    open_measured = 0
+    indices = itertools.count()  # every point walks the same prompt sequence
+
+    async def client() -> None:
+        nonlocal open_measured
+        while time.perf_counter() < t1 or open_measured:
+            i = next(indices)
+            in_window = t0 <= time.perf_counter() < t1
+            open_measured += in_window
+            rec = await target.chat(i, prompts[i % len(prompts)], max_tokens, ignore_eos)
+            open_measured -= in_window
+            records.append(rec)
+            if in_window:
+                measured.append(rec)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    timings = [r.timing for r in measured if r.ok]
+    row = summarize(timings, measure_s)
+    tokens = sum(r.tokens_between(t0, t1) for r in records)
+    completed = sum(1 for r in records if r.ok and t0 <= r.end < t1)
+    return row | {
+        "output_tokens_per_s": round(tokens / measure_s, 3),
+        "requests_per_s": round(completed / measure_s, 4),
+        "mean_output_tokens": round(sum(t.output_tokens for t in timings) / len(timings), 2) if timings else None,
+        "errors": sum(1 for r in measured if not r.ok),
+        "settle_s": settle_s,
+        "measure_s": measure_s,
+    } | poller.summary(t0, t1)
+
+
+# -- the sweep ---------------------------------------------------------------------------
+async def spec_steps_of(target: Target, explicit: int | None) -> tuple[int, dict]:
+    status = await target.status()
+    return (explicit if explicit is not None else status["policy"]["tiers"][0]["num_steps"]), status
+
+
+async def sweep(target: Target, args: argparse.Namespace) -> dict:
+    spec_steps, status = await spec_steps_of(target, args.spec_steps)
+    prompts = prompt_messages(args.prompt_set.split(","))
+    rows: list[dict] = []
+    async with Poller(target) as poller:
+        # One-off costs (first forward, tokenizer) before any point.
+        await asyncio.gather(*(target.chat(i, prompts[i], 8, True) for i in range(2)))
+        with tqdm(total=len(args.concurrency) * len(args.policies), desc="bench serve", unit="point",
+                  file=sys.stderr) as bar:
+            for c in args.concurrency:
+                for policy in args.policies:  # innermost: the ratios at one concurrency are side by side
+                    bar.set_postfix_str(f"c={c} {policy}")
+                    await target.apply_policy(policy, spec_steps)
+                    row = await run_point(target, poller, prompts, c, args.settle_s, args.measure_s,
+                                          args.max_tokens, args.ignore_eos)
+                    rows.append({"policy": policy, "concurrency": c} | row)
+                    bar.update(1)
+        await target.put_mode(None)
+    return {"meta": meta(args, target, status, spec_steps), "rows": rows, "ratios": ratios(rows)}
+
+
+def meta(args: argparse.Namespace, target: Target, status: dict, spec_steps: int) -> dict:
+    import os
+
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m serve_app.bench", *sys.argv[1:]]),
+        "config": None if args.url else args.config,
+        "url": args.url,
+        "model": target.model,
+        "replicas": len(status["replicas"]),
+        "policy": status["policy"],
+        "spec_steps": spec_steps,
+        "prompt_set": args.prompt_set,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per concurrency: dynamic's tokens/s over the better static policy's."""
+    out = []
+    for c in dict.fromkeys(r["concurrency"] for r in rows):
+        tps = {r["policy"]: r["output_tokens_per_s"] for r in rows if r["concurrency"] == c}
+        static = {p: tps[p] for p in ("spec", "off") if tps.get(p)}
+        if "dynamic" not in tps or not static:
+            continue
+        best = max(static, key=static.get)
+        out.append({"concurrency": c, "best_static": best,
+                    "dynamic_over_best_static": round(tps["dynamic"] / static[best], 4)})
+    return out
+
+
+def format_table(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"model {m['model']}, {m['replicas']} replicas, spec = {m['spec_steps']} steps, prompts {m['prompt_set']}, "
+             f"max_tokens {m['max_tokens']}; latencies in ms",
+             f"{'conc':>4} {'policy':>8} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} "
+             f"{'tpot p99':>9} {'load':>5} {'switch':>6}  modes"]
+    for r in result["rows"]:
+        lines.append(f"{r['concurrency']:>4} {r['policy']:>8} {f(r['output_tokens_per_s'], '8.1f')} "
+                     f"{f(r['ttft_p50_ms'], '9.1f')} {f(r['ttft_p99_ms'], '9.1f')} {f(r['tpot_p50_ms'], '9.1f')} "
+                     f"{f(r['tpot_p99_ms'], '9.1f')} {f(r['mean_load_per_replica'], '5.1f')} "
+                     f"{f(r['switches'], '6d')}  {r['mode_share']}")
+    if result["ratios"]:
+        lines.append("dynamic / best static: " + ", ".join(
+            f"c={x['concurrency']}: {x['dynamic_over_best_static']:.2f} ({x['best_static']})" for x in result["ratios"]))
+    return "\n".join(lines)

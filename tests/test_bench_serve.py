@@ -1,0 +1,150 @@
+"""`bench serve`, `bench trace` and `bench report` end to end on the tiny-random app, plus their pure parts."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from serve_app.bench.__main__ import main
+from serve_app.bench.client import Record
+from serve_app.bench.trace import make_trace, policy_stats, rates_from_sweep
+
+ROW_FIELDS = {"policy", "concurrency", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+              "tpot_p99_ms", "switches"}
+FAST = ["--settle-s", "0.5", "--measure-s", "1.5", "--max-tokens", "8", "--ignore-eos"]
+TINY_CONFIG = """
+applications:
+  - name: benchtiny
+    route_prefix: /
+    import_path: serve_app.app:build_app
+    args:
+      engine:
+        embedded: {model: tiny-random, device: cpu, num_threads: 1, max_num_seqs: 8}
+      num_replicas: 1
+      replica_ray_actor_options: {num_cpus: 0}
+      admin_token_env: SPECSERVE_BENCH_TEST_TOKEN
+"""
+
+
+@pytest.fixture(scope="module")
+def results(reset_tiny_app, tmp_path_factory):
+    """One sweep and one trace against the shared tiny app (two replicas, ladder: load < 2 → 4, else 0)."""
+    out = tmp_path_factory.mktemp("bench")
+    url = reset_tiny_app.prefix
+    assert main(["serve", "--url", url, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN", "--concurrency", "1,6",
+                 *FAST, "--out", str(out / "serve_sweep.json")]) == 0
+    assert main(["trace", "--url", url, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN", "--trace", "bursty",
+                 "--phases", "3", "--phase-s", "1.5", "--low-rate", "1", "--high-rate", "8", "--seed", "7",
+                 "--max-tokens", "8", "--ignore-eos", "--tpot-slo-ms", "1000", "--out", str(out / "serve_trace.json")]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def reset_tiny_app(tiny_app):  # module scope: both commands share one reset app
+    tiny_app.reset()
+    yield tiny_app
+    tiny_app.reset()
+
+
+def test_bench_serve_writes_one_row_per_concurrency_and_policy_in_sweep_order(results):
+    sweep = json.loads((results / "serve_sweep.json").read_text())
+
+    assert [(r["concurrency"], r["policy"]) for r in sweep["rows"]] == [
+        (c, p) for c in (1, 6) for p in ("spec", "off", "dynamic")]
+    for row in sweep["rows"]:
+        assert ROW_FIELDS <= row.keys()
+        assert row["output_tokens_per_s"] > 0 and row["num_requests"] > 0 and row["errors"] == 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
+    assert [x["concurrency"] for x in sweep["ratios"]] == [1, 6]
+    assert sweep["meta"]["spec_steps"] == 4 and sweep["meta"]["replicas"] == 2
+
+
+def test_bench_serve_pins_spec_and_off_and_lets_the_policy_choose_under_dynamic(results):
+    rows = {(r["policy"], r["concurrency"]): r for r in json.loads((results / "serve_sweep.json").read_text())["rows"]}
+
+    for c in (1, 6):
+        assert rows["spec", c]["mode_share"] == {"4": 1.0} and rows["spec", c]["switches"] == 0
+        assert rows["off", c]["mode_share"] == {"0": 1.0} and rows["off", c]["switches"] == 0
+    assert rows["dynamic", 1]["mode_share"].get("4", 0) > 0.5  # 0.5 clients per replica: the low-load tier
+    assert rows["dynamic", 6]["mean_load_per_replica"] > rows["dynamic", 1]["mean_load_per_replica"]
+
+
+def test_bench_trace_replays_the_same_arrivals_against_each_policy(results):
+    trace = json.loads((results / "serve_trace.json").read_text())
+
+    assert set(trace["policies"]) == {"spec", "off", "dynamic"}
+    assert trace["trace"]["arrivals"] == make_trace("bursty", 7, 1, 8, 1.5, 3)["arrivals"]
+    n = len(trace["trace"]["arrivals"])
+    for s in trace["policies"].values():
+        assert s["num_requests"] == n and s["errors"] == 0
+        assert 0 < s["goodput_tokens_per_s"] <= s["output_tokens_per_s"]
+        assert set(s["phases"]) == {"low", "high"} and s["tpot_p50_low_load_ms"] == s["phases"]["low"]["tpot_p50_ms"]
+        assert s["switches"] is not None and s["timeline"]["mode"] and len(s["timeline"]["requests"]) == n
+
+
+def test_trace_rates_and_slo_can_come_from_a_sweep_of_the_same_machine(results):
+    sweep = json.loads((results / "serve_sweep.json").read_text())
+    rows = {(r["policy"], r["concurrency"]): r for r in sweep["rows"]}
+
+    low, high, slo = rates_from_sweep(sweep)
+    assert low == pytest.approx(0.5 * rows["spec", 1]["requests_per_s"], rel=1e-3)
+    assert high == pytest.approx(0.9 * rows["off", 6]["requests_per_s"], rel=1e-3)
+    assert slo == pytest.approx(1.5 * rows["off", 1]["tpot_p50_ms"], abs=0.1)
+
+
+def test_bench_report_writes_markdown_with_ratios_and_both_plots(results):
+    assert main(["report", "--sweep", str(results / "serve_sweep.json"), "--trace", str(results / "serve_trace.json"),
+                 "--out-dir", str(results)]) == 0
+
+    md = (results / "report.md").read_text()
+    assert "dynamic / best static" in md and "goodput" in md and "low-load TPOT p50 within 10% of spec" in md
+    for png in ("serve_sweep.png", "serve_trace.png"):
+        assert (results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serve_brings_up_the_app_of_a_config_itself(tmp_path):
+    """Its own Ray, in a subprocess (this test session may hold one already); random admin token."""
+    config, out = tmp_path / "tiny.yaml", tmp_path / "sweep.json"
+    config.write_text(textwrap.dedent(TINY_CONFIG))
+    env = {k: v for k, v in os.environ.items() if k != "SPECSERVE_BENCH_TEST_TOKEN"}
+    proc = subprocess.run([sys.executable, "-m", "serve_app.bench", "serve", "--config", str(config),
+                           "--concurrency", "2", "--policies", "off,dynamic", *FAST, "--out", str(out)],
+                          cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["policy"], r["mode_share"].get("0")) for r in rows][0] == ("off", 1.0)
+    assert "dynamic / best static: c=2" in proc.stdout
+
+
+# -- pure parts --------------------------------------------------------------------------
+def test_traces_are_seeded_and_every_arrival_is_in_its_phase():
+    a, b = make_trace("bursty", 3, 0.5, 5, 10, 5), make_trace("bursty", 3, 0.5, 5, 10, 5)
+    assert a == b and a != make_trace("bursty", 4, 0.5, 5, 10, 5)
+    assert [p["name"] for p in a["phases"]] == ["low", "high", "low", "high", "low"]
+    for arrival in a["arrivals"]:
+        (phase,) = [p for p in a["phases"] if p["start"] <= arrival["t"] < p["end"]]
+        assert arrival["phase"] == phase["name"]
+    highs = sum(x["phase"] == "high" for x in a["arrivals"])
+    assert highs > 3 * (len(a["arrivals"]) - highs)  # 10x the rate over 2/3 of the time
+    d = make_trace("diurnal", 3, 0.5, 5, 10, 4)
+    assert [p["name"] for p in d["phases"]] == ["low", "high", "low"] and d["duration_s"] == 40
+
+
+def test_goodput_counts_only_the_tokens_of_requests_within_the_tpot_slo():
+    fast = Record(0.0, 0, output_tokens=11, chunk_times=[0.1 + 0.01 * i for i in range(11)], phase="low")  # 10 ms
+    slow = Record(0.0, 1, output_tokens=11, chunk_times=[0.1 + 0.05 * i for i in range(11)], phase="high")  # 50 ms
+    failed = Record(0.0, 2, error="HTTP 429", phase="high")
+
+    s = policy_stats([fast, slow, failed], wall_s=2.0, slo_ms=20)
+    assert s["output_tokens_per_s"] == 11.0 and s["goodput_tokens_per_s"] == 5.5 and s["errors"] == 1
+    assert s["tpot_p50_low_load_ms"] == pytest.approx(10) and s["phases"]["high"]["slo_attainment"] == 0
+
+
+def test_a_request_s_tokens_are_spread_over_its_chunks_for_windowed_throughput():
+    r = Record(0.0, 0, output_tokens=8, chunk_times=[1.0, 2.0, 3.0, 4.0])
+    assert r.tokens_between(0, 10) == 8 and r.tokens_between(1.5, 3.5) == 4 and r.tokens_between(5, 6) == 0
+    assert Record(0.0, 0, output_tokens=8, chunk_times=[1.0], error="cut").tokens_between(0, 10) == 0

@@ -1,0 +1,76 @@
+"""`python -m serve_app.calibrate`: from a measured sweep to a policy file the configs include."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from serve_app.calibrate import crossover, derive_tiers, main, plain_crossovers
+from serve_app.config import AppArgs, PolicyConfig
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+def test_the_crossover_is_interpolated_between_the_loads_around_it():
+    spec, plain = {2: 100.0, 4: 100.0}, {2: 90.0, 4: 130.0}  # plain gains 40 over 2 loads, starts 10 behind
+    assert crossover(spec, plain, 2, 4) == 2.5
+    assert crossover(spec, {2: 120.0, 4: 130.0}, 2, 4) == 2  # already ahead at the lower load
+
+
+def test_the_ladder_steps_down_where_fewer_steps_start_to_win():
+    tps = {5: {1: 50, 2: 80, 4: 100, 8: 110, 16: 100},
+           3: {1: 45, 2: 78, 4: 110, 8: 130, 16: 150},
+           0: {1: 30, 2: 60, 4: 100, 8: 140, 16: 200}}
+    tiers = derive_tiers(tps)
+
+    assert [t["num_steps"] for t in tiers] == [5, 3, 0]
+    assert 2 < tiers[0]["below"] < 4 and 4 < tiers[1]["below"] < 8 and "below" not in tiers[2]
+    PolicyConfig.model_validate({"tiers": tiers})
+    assert plain_crossovers(tps) == {"3": 6.0, "5": 4.0}
+
+
+def test_a_tier_that_never_wins_is_left_out_and_noise_never_climbs_back_up():
+    tps = {4: {1: 50, 2: 60, 4: 40, 8: 70}, 2: {1: 40, 2: 50, 4: 45, 8: 60}, 0: {1: 30, 2: 55, 4: 80, 8: 65}}
+    assert [t["num_steps"] for t in derive_tiers(tps)] == [4, 0]  # 4 wins again at 8: ignored
+
+
+def test_without_a_crossover_the_ladder_says_so_in_its_bounds():
+    always_spec = {4: {1: 50, 2: 60}, 0: {1: 30, 2: 40}}
+    assert derive_tiers(always_spec) == [{"below": 2, "num_steps": 4}, {"num_steps": 0}]  # past the sweep
+    assert plain_crossovers(always_spec) == {"4": None}
+    assert derive_tiers({4: {1: 20, 2: 30}, 0: {1: 30, 2: 40}}) == [{"num_steps": 0}]  # speculation never pays
+
+
+def test_calibrate_sweeps_the_deployed_app_and_writes_a_policy_file_configs_include(tiny_app, tmp_path):
+    tiny_app.reset()
+    policy_file, results = tmp_path / "policy.yaml", tmp_path / "calibration.json"
+    assert main(["--url", tiny_app.prefix, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN", "--loads", "0.5,2",
+                 "--settle-s", "0.3", "--measure-s", "1", "--max-tokens", "8", "--ignore-eos",
+                 "--out", str(policy_file), "--results", str(results)]) == 0
+    tiny_app.reset()
+
+    written = yaml.safe_load(policy_file.read_text())
+    assert written["tiers"][-1] == {"below": None, "num_steps": 0}
+    assert written["margin"] == tiny_app.args["policy"]["margin"]  # hysteresis kept from the app's policy
+    assert policy_file.read_text().startswith("# Written by `python -m serve_app.calibrate")
+    args = AppArgs.model_validate({"policy_file": str(policy_file)})
+    assert args.policy.model_dump() == written
+    measured = yaml.safe_load(results.read_text())["measurements"]  # JSON is YAML
+    assert {(r["num_steps"], r["concurrency"]) for r in measured["rows"]} == {(4, 1), (0, 1), (4, 4), (0, 4)}
+
+
+def test_local_config_takes_its_ladder_from_the_calibrated_policy_file():
+    raw = yaml.safe_load((CONFIGS / "local.yaml").read_text())["applications"][0]["args"]
+    assert "policy" not in raw and raw["policy_file"] == "configs/policies/local.yaml"
+    from_file = yaml.safe_load((CONFIGS / "policies" / "local.yaml").read_text())
+    assert AppArgs.model_validate(raw).policy == PolicyConfig.model_validate(from_file)
+
+
+def test_policy_fields_in_the_config_override_the_policy_file(tmp_path, monkeypatch):
+    (tmp_path / "p.yaml").write_text("tiers: [{below: 3, num_steps: 2}, {num_steps: 0}]\nmargin: 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    args = AppArgs.model_validate({"policy_file": "p.yaml", "policy": {"margin": 0.25}})
+    assert args.policy.bounds == [3] and args.policy.margin == 0.25
+    with pytest.raises(ValidationError, match="policy_file: nowhere.yaml not found"):
+        AppArgs.model_validate({"policy_file": "nowhere.yaml"})
