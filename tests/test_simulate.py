@@ -1,0 +1,135 @@
+"""The cluster simulator: its invariants, what its controller may see, its curves and validate."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from serve_app.config import ControllerOptions, PolicyConfig, Tier
+from serve_app.simulate.__main__ import curve_policy, main
+from serve_app.simulate.curves import from_bench, load_curve, mean_accepted
+from serve_app.simulate.sim import ClosedLoop, SimOptions, Simulation
+from serve_app.simulate.traces import Trace, bursty
+
+BENCH = Path(__file__).parent / "data" / "engine_bench_sample.json"
+ROOF = load_curve("h200-8b-roofline")
+LADDER = curve_policy(ROOF)
+OPTS = ControllerOptions(report_interval_s=0.25, stale_after_s=1.0)
+
+
+def roofline_run(policy="dynamic", replicas=4, duration=40.0, **kw):
+    rps = replicas * ROOF.capacity() / ROOF.output_tokens
+    trace = bursty(rps, duration, ROOF.output_tokens, seed=1, period_s=30, burst_s=10, first_burst_s=10)
+    opts = SimOptions(replicas=replicas, policy=policy, **kw)
+    return Simulation(ROOF, trace, LADDER, OPTS, opts).run()
+
+
+@pytest.mark.parametrize("policy", ["spec", "off", "dynamic", "local"])
+def test_every_request_finishes_exactly_once_and_in_order_of_its_life(policy):
+    sim = roofline_run(policy)
+    req = sim.req
+    assert (req.finish_count == 1).all()
+    assert (req.replica >= 0).all() and (req.replica < 4).all()
+    assert (req.arrival <= req.admit).all() and (req.admit <= req.first).all() and (req.first <= req.finish).all()
+    assert (sim.slot_req == -1).all() and not sim.waiting.any() and not sim.running.any()
+
+
+def test_tokens_are_conserved():
+    sim = roofline_run("dynamic")
+    assert sim.delivered_tokens.sum() == sim.req.output_tokens.sum() == sim.summary()["output_tokens"]
+    # The replicas' decode rates, integrated, produce the delivered tokens: each request may differ
+    # only by what one step holds at its start and end (finish times are interpolated inside a step).
+    slack = 2 * len(sim.req.arrival) * sim.rate_lut.max() * sim.opts.dt_s
+    assert abs(sim.decode_tokens.sum() - sim.delivered_tokens.sum()) <= slack
+
+
+def test_closed_loop_clients_reproduce_the_measured_curve():
+    curve = from_bench(BENCH, "chat")
+    policy = PolicyConfig(tiers=[Tier(num_steps=5)])
+    for k, c in [(0, 1), (0, 16), (5, 4)]:
+        opts = SimOptions(replicas=1, policy="spec" if k else "off", spec_steps=5, drain_s=1e6)
+        s = Simulation(curve, ClosedLoop(c, 4 * c, 64), policy, OPTS, opts).run().summary()
+        assert s["output_tokens_per_s"] == pytest.approx(curve.throughput(c, k), rel=0.02)
+
+
+def test_the_controller_sees_each_report_only_after_its_delay_and_as_it_was_taken():
+    delay = 0.3
+    sim = roofline_run("dynamic", report_delay_s=delay, record=True)
+    control = sim.control
+    history = {round(t, 6): (w, r) for t, w, r in sim.history}
+    ids = {rid: i for i, rid in enumerate(control.ids)}
+    assert control.reports
+    for delivered, rep in control.reports:
+        assert delivered == pytest.approx(rep.time + delay)
+        waiting, running = history[round(rep.time, 6)]
+        assert (rep.waiting, rep.running) == (waiting[ids[rep.replica_id]], running[ids[rep.replica_id]])
+
+    # Every load sample the policy got is the sum of the reports delivered by then, and no later.
+    stale = OPTS.stale_after_s
+    for sample in control.samples:
+        latest = {}
+        for delivered, rep in control.reports:
+            if delivered <= sample.time + 1e-9:
+                latest[rep.replica_id] = rep
+        live = [r for r in latest.values() if r.time >= sample.time - stale]
+        assert sample.queue == sum(r.waiting + r.running for r in live)
+        assert sample.replicas == len(live)
+
+
+def test_a_burst_reaches_the_policy_no_sooner_than_the_report_delay():
+    replicas, delay = 4, 3.0
+    rps = replicas * ROOF.capacity() / ROOF.output_tokens
+    n = int(rps * 20)
+    rng = np.random.default_rng(0)
+    trace = Trace(np.sort(10 + rng.random(n) * 20), np.full(n, 256), np.zeros(n, bool), 30.0)
+    policy = LADDER.model_copy(update={"dwell_s": 0.0, "smoothing_s": 0.0, "min_switch_interval_s": 0.0})
+    sim = Simulation(
+        ROOF,
+        trace,
+        policy,
+        ControllerOptions(report_interval_s=0.25, stale_after_s=5.0),
+        SimOptions(replicas=replicas, policy="dynamic", report_delay_s=delay),
+    ).run()
+    events = list(sim.control.loop.events)
+    assert events and events[0].time >= 10 + delay
+
+
+def test_replicas_deciding_alone_switch_only_on_their_own_queue():
+    replicas = 8
+    rps = replicas * ROOF.capacity() / ROOF.output_tokens
+    n = int(rps * 0.3 * 30)
+    rng = np.random.default_rng(0)
+    # all traffic lands on the first quarter of the replicas (hot_fraction 0.25)
+    trace = Trace(np.sort(rng.random(n) * 30), np.full(n, 256), np.ones(n, bool), 30.0, hot_fraction=0.25)
+    sim = Simulation(ROOF, trace, LADDER, OPTS, SimOptions(replicas=replicas, policy="local")).run()
+    assert (sim.control.steps[2:] == LADDER.tiers[0].num_steps).all()  # idle replicas keep the top tier
+    assert (sim.control.steps[:2] < LADDER.tiers[0].num_steps).all()
+
+
+def test_presets_pass_through_their_published_points():
+    seed = load_curve("seed-8gpu-pcie")
+    assert [round(seed.throughput(b, k), 1) for k in (0, 3) for b in (1, 250)] == [92.6, 772.1, 77.5, 340.9]
+    eagle = load_curve("eagle3-sglang-h100")
+    assert eagle.throughput(64, 3) / eagle.throughput(64, 0) == pytest.approx(1.38)
+    assert 100 <= ROOF.crossover(3) <= 200  # the design brief's estimate for k=3, τ≈3
+    assert mean_accepted(3) == pytest.approx(2.952)
+
+
+def test_validate_reports_each_point_and_fails_past_the_tolerance(tmp_path):
+    curve = from_bench(BENCH, "chat")
+    rows = [
+        {"policy": p, "concurrency": c, "output_tokens_per_s": 2 * curve.throughput(c / 2, k)}
+        for p, k in (("off", 0), ("spec", 4))
+        for c in (2, 8)
+    ]
+    serve = tmp_path / "serve.json"
+    serve.write_text(json.dumps({"meta": {"prompt_set": "chat"}, "rows": rows}))
+    out = tmp_path / "v.json"
+    args = ["validate", "--curves", str(BENCH), "--serve", str(serve), "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["points_compared"] == 4 and result["meta"]["worst_error"] <= 0.05
+
+    serve.write_text(json.dumps({"rows": [{**r, "output_tokens_per_s": 1.3 * r["output_tokens_per_s"]} for r in rows]}))
+    assert main(args) == 1
