@@ -33,10 +33,17 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     replica = LLMReplica.options(
         name=REPLICA_DEPLOYMENT,
         max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.limits.max_queued_requests,
         ray_actor_options=args.replica_ray_actor_options,
         **scaling,
-    ).bind(args.engine, args.policy, args.controller)
+    ).bind(args.engine, args.policy, args.controller, args.limits)
     # Constructor arguments exclude scaling, so that scaling does not restart replicas.
     return OpenAIIngress.options(name=INGRESS_DEPLOYMENT).bind(
-        replica, REPLICA_DEPLOYMENT, args.policy, args.controller, args.admin_token_env, args.served_model_name
+        replica,
+        REPLICA_DEPLOYMENT,
+        args.policy,
+        args.controller,
+        args.admin_token_env,
+        args.served_model_name,
+        args.limits,
     )

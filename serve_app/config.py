@@ -7,6 +7,7 @@ the simulator and the pure policy import this module without pulling in an engin
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -77,21 +78,62 @@ class PolicyConfig(_Strict):
         return None
 
 
+class GrafanaAnnotations(_Strict):
+    """Optional HTTP annotations on each switch (the dashboards' Prometheus annotation query
+    needs none): posted asynchronously from a bounded queue, failures counted and logged."""
+
+    url: str = Field(min_length=1, description="Grafana base URL, e.g. http://grafana:3000")
+    token_env: str = Field(default="GRAFANA_TOKEN", min_length=1, description="Env var with a service account token.")
+    dashboard_uids: list[str] = Field(default_factory=lambda: ["specserve-overview"], min_length=1)
+    queue_size: int = Field(default=64, ge=1, description="Switches waiting to be posted; more are dropped.")
+    timeout_s: float = Field(default=2.0, gt=0)
+
+
 class ControllerOptions(_Strict):
     """How the controller and the replicas talk."""
 
     report_interval_s: float = Field(default=0.25, gt=0, le=10)
+    decision_interval_s: float = Field(
+        default=0.25, gt=0, le=1, description="How often the controller samples the cluster queue and decides."
+    )
     stale_after_s: float = Field(
         default=1.0, gt=0, description="Reports older than this drop out of the cluster queue."
     )
     long_poll_timeout_s: float = Field(default=10.0, gt=0)
     max_events: int = Field(default=200, ge=1)
+    grafana: GrafanaAnnotations | None = None
 
     @model_validator(mode="after")
     def _stale_after_reports(self) -> ControllerOptions:
         if self.stale_after_s < 2 * self.report_interval_s:
             raise ValueError("stale_after_s must be at least 2 × report_interval_s")
         return self
+
+
+class Limits(_Strict):
+    """What one request may ask for and how much may wait; past a limit the answer is a 4xx
+    (429/503 with Retry-After for load), never an unbounded queue or a timeout."""
+
+    max_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="Longest prompt in tokens; default: the engine's context only."
+    )
+    max_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="Cap on max_tokens: above it a 400; without max_tokens, the default is cut to it.",
+    )
+    max_request_bytes: int = Field(default=1 << 20, ge=1024, description="Larger request bodies get a 413.")
+    max_waiting_per_replica: int = Field(
+        default=256, ge=1, description="Requests waiting in one replica's engine before new ones get a 429."
+    )
+    max_queued_requests: int = Field(
+        default=1024, ge=1, description="Requests Serve's router holds for busy replicas (per ingress) before a 503."
+    )
+    admin_puts_per_s: float = Field(default=20.0, gt=0, description="PUT /v1/speculation rate (token bucket).")
+    admin_burst: int = Field(default=40, ge=1)
+    retries: int = Field(
+        default=2, ge=0, description="Re-dispatches of a request whose replica died before it streamed a token."
+    )
 
 
 def _options_class(backend: str) -> type[BaseModel]:
@@ -149,9 +191,23 @@ class AppArgs(_Strict):
     )
     replica_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    policy_file: str | None = Field(
+        default=None, description="A YAML policy file (`python -m serve_app.calibrate` writes one); `policy` fields override it."
+    )
     controller: ControllerOptions = Field(default_factory=ControllerOptions)
+    limits: Limits = Field(default_factory=Limits)
     admin_token_env: str = Field(default="SPECSERVE_ADMIN_TOKEN", min_length=1)
     served_model_name: str | None = Field(default=None, description="Model name clients use; default: the engine's.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _include_policy_file(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("policy_file"):
+            return data
+        given = data.get("policy") or {}
+        if isinstance(given, BaseModel):
+            given = given.model_dump(exclude_unset=True)
+        return {**data, "policy": {**load_policy_file(data["policy_file"]), **given}}
 
     @model_validator(mode="after")
     def _ladder_fits_the_engine(self) -> AppArgs:
@@ -168,3 +224,21 @@ class AppArgs(_Strict):
                     f"policy.tiers[{i}].num_steps={tier.num_steps} is not in engine.{backend}.candidate_steps={candidates}"
                 )
         return self
+
+
+def load_policy_file(path: str) -> dict[str, Any]:
+    """The policy fields of a YAML policy file. A relative path is looked up in the working
+    directory, then in the project root (where `serve run configs/...` is meant to run)."""
+    import yaml
+
+    candidates = [Path(path)] if Path(path).is_absolute() else [Path.cwd() / path, _PROJECT_ROOT / path]
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is None:
+        raise ValueError(f"policy_file: {path} not found (looked in {', '.join(str(p.parent) for p in candidates)})")
+    data = yaml.safe_load(found.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"policy_file: {found} must hold a mapping of policy fields")
+    return data
+
+
+_PROJECT_ROOT = Path(__file__).resolve().parent.parent

@@ -290,6 +290,11 @@ class ModeController:
         self._metrics = controller_metrics(app_name)
         self._waiters: set[asyncio.Future] = set()
         self._loop = self._load(PolicyConfig.model_validate(policy), ControllerOptions.model_validate(options))
+        self._annotator = None
+        if self._loop.options.grafana is not None:
+            from serve_app.dashboards.annotations import GrafanaAnnotator
+
+            self._annotator = GrafanaAnnotator(app_name, self._loop.options.grafana, self._metrics)
         self._ticker = asyncio.create_task(self._run())
         # Importing Serve and making a handle takes ~1 s: do it now, off the loop that
         # answers long-polls, rather than at the first switch.
@@ -317,12 +322,18 @@ class ModeController:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._loop.options.report_interval_s)
+            # Decide on a clock of its own: with slow reports the policy still sees the load
+            # (as last reported) often enough to measure dwell.
+            await asyncio.sleep(self._loop.options.decision_interval_s)
             try:
                 now = time.time()
-                self._after(self._loop.tick(now))
+                started = time.perf_counter()
+                event = self._loop.tick(now)
+                self._metrics.observe_decision(time.perf_counter() - started)
+                self._after(event)
                 queue, n = self._loop.cluster_queue(now)
-                self._metrics.observe_state(self._loop.num_steps, queue, n)
+                bounds = [(t.below, t.num_steps) for t in self._loop.policy.tiers[:-1]]
+                self._metrics.observe_state(self._loop.num_steps, queue, n, bounds)
             except Exception:
                 logger.exception("controller tick failed")
 
@@ -331,6 +342,8 @@ class ModeController:
         if event is not None:
             logger.info("switch %d -> %d (%s: %s)", event.from_steps, event.to_steps, event.reason, event.detail)
             self._metrics.observe_switch(event.from_steps, event.to_steps, event.reason, event.time)
+            if self._annotator is not None:
+                self._annotator.submit(event)
             self._save()
             for fut in self._waiters:
                 if not fut.done():

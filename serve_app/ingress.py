@@ -25,11 +25,13 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import openai_protocol as oai
-from serve_app.config import ControllerOptions, PolicyConfig
+from serve_app.config import ControllerOptions, Limits, PolicyConfig
 from serve_app.controller import get_or_create_controller
 from serve_app.engines.base import (
     EngineOverloadedError,
@@ -67,7 +69,37 @@ def _engine_error(e: Exception) -> APIError | None:
         return APIError(429, msg, "rate_limit_error", headers={"Retry-After": str(retry)})
     if isinstance(e, oai.UnsupportedParameter):
         return APIError(400, str(e), "invalid_request_error", e.param)
+    if isinstance(e, BackPressureError):
+        return APIError(
+            503,
+            "every replica is busy and the queue is full; retry later",
+            "server_error",
+            headers={"Retry-After": "1"},
+        )
     return None
+
+
+_REJECTED = (InvalidRequestError, EngineOverloadedError, BackPressureError)
+# The replica died or became unreachable: the request may go to another one if no token was sent.
+_REPLICA_LOST = (RayActorError,)
+
+
+def _set_body_limit(limit: int) -> None:
+    # A module function, so that it reaches this module's app: Serve pickles the ingress class
+    # by value, and a global named in its methods would be a copy.
+    app.state.max_request_bytes = limit
+
+
+@app.middleware("http")
+async def _limit_body_size(request: Request, call_next):
+    limit = getattr(app.state, "max_request_bytes", None)
+    if limit and request.method in ("POST", "PUT"):
+        size = request.headers.get("content-length", "")  # Serve's proxy may stream without one
+        size = int(size) if size.isdigit() else len(await request.body())
+        if size > limit:
+            msg = f"the request body has {size} bytes; the limit is {limit}"
+            return APIError(413, msg, "invalid_request_error").response()
+    return await call_next(request)
 
 
 @app.exception_handler(APIError)
@@ -96,7 +128,38 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
     type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return APIError(e.status_code, str(e.detail), type_).response()
+    message = str(e.detail)
+    if e.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's words for bad UTF-8
+        message = "the request body could not be parsed: it must be JSON encoded as UTF-8"
+    return APIError(e.status_code, message, type_).response()
+
+
+def _attempts_header(attempts: int) -> dict[str, str]:
+    """How many replicas a request took (more than 1: a replica died and it was re-dispatched)."""
+    return {"x-specserve-attempts": str(attempts)}
+
+
+def _stream_error(rid: str, e: Exception, tokens: int) -> dict:
+    lost = isinstance(e, _REPLICA_LOST)
+    logger.warning("stream %s cut after %d tokens: %s", rid, tokens, type(e).__name__, exc_info=not lost)
+    why = "the replica serving it failed" if lost else f"an internal error ({type(e).__name__})"
+    return oai.error_body(f"the stream was cut after {tokens} tokens: {why}; the output is incomplete", "server_error")
+
+
+class _TokenBucket:
+    """``rate`` events a second on average, in bursts of up to ``burst``."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst, self.tokens, self.at = rate, burst, float(burst), time.monotonic()
+
+    def take(self, now: float) -> float:
+        """Take one token: 0 if granted, else the seconds until one is due."""
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
 
 
 def _sse(payload: dict | str) -> str:
@@ -116,8 +179,12 @@ class OpenAIIngress:
         controller: ControllerOptions,
         admin_token_env: str,
         served_model_name: str | None = None,
+        limits: Limits | None = None,
     ):
         ctx = serve.get_replica_context()
+        self._limits = limits or Limits()
+        _set_body_limit(self._limits.max_request_bytes)
+        self._put_bucket = _TokenBucket(self._limits.admin_puts_per_s, self._limits.admin_burst)
         self._replica = replica
         self._admin_token_env = admin_token_env
         self._model = served_model_name
@@ -126,7 +193,10 @@ class OpenAIIngress:
 
     async def _model_name(self) -> str:
         if self._model is None:
-            self._model = (await self._replica.info.remote())["model"]
+            try:
+                self._model = (await self._replica.info.remote())["model"]
+            except BackPressureError as e:
+                raise _engine_error(e) from None
         return self._model
 
     async def _check_model(self, requested: str | None) -> str:
@@ -156,13 +226,13 @@ class OpenAIIngress:
         prompt, token_ids = body.prompt_text_or_ids()
         request = GenerateRequest(oai.new_id("cmpl"), prompt, token_ids, self._params(body))
         if body.stream:
-            first, rest = await self._start_stream(request, None)
-            return self._sse_response(
-                self._completion_events(request.request_id, model, body.include_usage, first, rest)
-            )
-        result = await self._call(self._replica.generate.remote(request))
+            first, rest, attempts = await self._start_stream(request, None)
+            events = self._completion_events(request.request_id, model, body.include_usage, first, rest)
+            return self._sse_response(events, attempts)
+        result, attempts = await self._call(request, None)
         usage = oai.usage(result.prompt_tokens, result.completion_tokens)
-        return oai.completion_response(request.request_id, model, result.text, result.finish_reason, usage)
+        out = oai.completion_response(request.request_id, model, result.text, result.finish_reason, usage)
+        return JSONResponse(out, headers=_attempts_header(attempts))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: oai.ChatCompletionRequest):
@@ -170,39 +240,65 @@ class OpenAIIngress:
         request = GenerateRequest(oai.new_id("chatcmpl"), params=self._params(body))
         messages = body.message_dicts()
         if body.stream:
-            first, rest = await self._start_stream(request, messages)
-            return self._sse_response(self._chat_events(request.request_id, model, body.include_usage, first, rest))
-        result = await self._call(self._replica.generate.remote(request, messages))
+            first, rest, attempts = await self._start_stream(request, messages)
+            events = self._chat_events(request.request_id, model, body.include_usage, first, rest)
+            return self._sse_response(events, attempts)
+        result, attempts = await self._call(request, messages)
         usage = oai.usage(result.prompt_tokens, result.completion_tokens)
-        return oai.chat_response(request.request_id, model, result.text, result.finish_reason, usage)
+        out = oai.chat_response(request.request_id, model, result.text, result.finish_reason, usage)
+        return JSONResponse(out, headers=_attempts_header(attempts))
 
-    @staticmethod
-    def _params(body: oai.CompletionRequest | oai.ChatCompletionRequest) -> SamplingParams:
+    def _params(self, body: oai.CompletionRequest | oai.ChatCompletionRequest) -> SamplingParams:
         try:
-            return body.sampling_params()
+            params = body.sampling_params()
         except (InvalidRequestError, oai.UnsupportedParameter) as e:
             raise _engine_error(e) from None
+        cap = self._limits.max_tokens
+        if params.max_tokens > cap:
+            explicit = body.max_tokens is not None or getattr(body, "max_completion_tokens", None) is not None
+            if explicit:
+                raise APIError(
+                    400, f"max_tokens is {params.max_tokens}; the limit is {cap}", "invalid_request_error", "max_tokens"
+                )
+            params.max_tokens = cap  # the default, cut to the cap
+        return params
+
+    async def _with_retries(self, start, request: GenerateRequest):
+        """``await start()``, again on another replica if the one it went to died (nothing was
+        sent to the client yet). Returns (result, attempts)."""
+        for attempt in range(1, self._limits.retries + 2):
+            try:
+                return await start(), attempt
+            except _REJECTED as e:
+                raise _engine_error(e) from None
+            except _REPLICA_LOST as e:
+                logger.warning(
+                    "request %s: replica lost (%s), attempt %d", request.request_id, type(e).__name__, attempt
+                )
+        raise APIError(
+            503, "the replicas serving this request failed; retry later", "server_error", headers={"Retry-After": "1"}
+        )
+
+    async def _call(self, request: GenerateRequest, messages) -> tuple[Any, int]:
+        return await self._with_retries(lambda: self._replica.generate.remote(request, messages), request)
+
+    async def _start_stream(
+        self, request: GenerateRequest, messages
+    ) -> tuple[TokenDelta, AsyncIterator[TokenDelta], int]:
+        """Start a stream and wait for its first delta, so that errors still get a status code
+        and a replica lost before it sent anything is replaced invisibly."""
+
+        async def start():
+            it = self._replica.options(stream=True).stream.remote(request, messages).__aiter__()
+            return await it.__anext__(), it
+
+        (first, it), attempts = await self._with_retries(start, request)
+        return first, it, attempts
 
     @staticmethod
-    async def _call(response):
-        try:
-            return await response
-        except (InvalidRequestError, EngineOverloadedError) as e:
-            raise _engine_error(e) from None
-
-    async def _start_stream(self, request: GenerateRequest, messages) -> tuple[TokenDelta, AsyncIterator[TokenDelta]]:
-        """Start a stream and wait for its first delta, so that errors still get a status code."""
-        stream = self._replica.options(stream=True).stream.remote(request, messages)
-        it = stream.__aiter__()
-        try:
-            first = await it.__anext__()
-        except (InvalidRequestError, EngineOverloadedError) as e:
-            raise _engine_error(e) from None
-        return first, it
-
-    @staticmethod
-    def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def _sse_response(events: AsyncIterator[str], attempts: int = 1) -> StreamingResponse:
+        headers = {"Cache-Control": "no-cache", **_attempts_header(attempts)}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     @staticmethod
     async def _deltas(first: TokenDelta, rest: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
@@ -227,8 +323,7 @@ class OpenAIIngress:
                 if delta.text or delta.finish_reason:
                     yield _sse(chunk({"content": delta.text} if delta.text else {}, delta.finish_reason))
         except Exception as e:  # the status line is gone: report in-band, as OpenAI does
-            logger.exception("stream %s failed", rid)
-            yield _sse(oai.error_body(str(e), "server_error"))
+            yield _sse(_stream_error(rid, e, last.completion_tokens))
         if include_usage:
             yield _sse(chunk(None, usage=oai.usage(last.prompt_tokens, last.completion_tokens)))
         yield _sse("[DONE]")
@@ -249,8 +344,7 @@ class OpenAIIngress:
                 if delta.text or delta.finish_reason:
                     yield _sse(chunk(delta.text, delta.finish_reason))
         except Exception as e:
-            logger.exception("stream %s failed", rid)
-            yield _sse(oai.error_body(str(e), "server_error"))
+            yield _sse(_stream_error(rid, e, last.completion_tokens))
         if include_usage:
             yield _sse(chunk(None, usage=oai.usage(last.prompt_tokens, last.completion_tokens)))
         yield _sse("[DONE]")
@@ -263,6 +357,14 @@ class OpenAIIngress:
 
     @app.put("/v1/speculation")
     async def put_speculation(self, body: oai.SpeculationUpdate, authorization: str | None = Header(default=None)):
+        wait_s = self._put_bucket.take(time.monotonic())
+        if wait_s > 0:  # before the token check, so that guessing is throttled too
+            raise APIError(
+                429,
+                "too many operator requests; retry later",
+                "rate_limit_error",
+                headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+            )
         self._authorize(authorization)
         out = await self._controller.update.remote(body.mode, body.num_steps, body.policy)
         if "error" in out:
@@ -321,8 +423,7 @@ class OpenAIIngress:
             d.pop("request_id")
             yield d
 
-    @staticmethod
-    def _handle_request(prompt, messages, prompt_token_ids, sampling) -> GenerateRequest:
+    def _handle_request(self, prompt, messages, prompt_token_ids, sampling) -> GenerateRequest:
         if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
             raise InvalidRequestError("give exactly one of prompt, messages, prompt_token_ids", "prompt")
         try:
@@ -330,4 +431,8 @@ class OpenAIIngress:
         except TypeError as e:
             raise InvalidRequestError(f"unknown sampling field: {e}", "sampling") from None
         params.validate()
+        if params.max_tokens > self._limits.max_tokens:
+            raise InvalidRequestError(
+                f"max_tokens is {params.max_tokens}; the limit is {self._limits.max_tokens}", "max_tokens"
+            )
         return GenerateRequest(oai.new_id("handle"), prompt, prompt_token_ids, params)

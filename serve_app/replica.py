@@ -16,12 +16,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
+import psutil
 from ray import serve
 
-from serve_app.config import ControllerOptions, EngineConfig, PolicyConfig
+from serve_app.config import ControllerOptions, EngineConfig, Limits, PolicyConfig
 from serve_app.controller import get_or_create_controller
 from serve_app.engines import make_engine
-from serve_app.engines.base import GenerateRequest, TokenDelta
+from serve_app.engines.base import EngineOverloadedError, GenerateRequest, InvalidRequestError, TokenDelta
 from serve_app.metrics import replica_metrics
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,11 @@ class GenerateResult:
 class LLMReplica:
     """One engine behind Ray Serve."""
 
-    async def __init__(self, engine: EngineConfig, policy: PolicyConfig, controller: ControllerOptions):
+    async def __init__(
+        self, engine: EngineConfig, policy: PolicyConfig, controller: ControllerOptions, limits: Limits | None = None
+    ):
         ctx = serve.get_replica_context()
+        self._limits = limits or Limits()
         self._app, self._id = ctx.app_name, ctx.replica_id.unique_id
         self._options = controller
         self._metrics = replica_metrics(self._app, self._id)
@@ -102,7 +106,13 @@ class LLMReplica:
             await asyncio.sleep(interval)
             try:
                 report = self.report()
-                self._metrics.observe_load(report["num_steps"], report["waiting"], report["running"])
+                self._metrics.observe_load(
+                    report["num_steps"],
+                    report["waiting"],
+                    report["running"],
+                    report["output_tokens_per_s"],
+                    report["accept_rate"],
+                )
                 answer = await asyncio.wait_for(self._controller.report.remote(report), 4 * interval)
                 await self.apply_mode(*answer)
             except asyncio.CancelledError:
@@ -134,6 +144,7 @@ class LLMReplica:
             "engine_ready_at": self._engine_ready_at,
             "mode_applied_at": self._mode_applied_at,
             "load": asdict(self._engine.load()),
+            "rss_bytes": psutil.Process().memory_info().rss,
         }
 
     # -- requests -----------------------------------------------------------------------------
@@ -143,6 +154,7 @@ class LLMReplica:
         Raises InvalidRequestError / EngineOverloadedError before the first delta."""
         if messages is not None:
             request.prompt = self._engine.apply_chat_template(messages)
+        self._admit(request, messages)
         start = time.perf_counter()
         first_at = last_at = None
         completion_tokens = 0
@@ -161,6 +173,21 @@ class LLMReplica:
             ttft = None if first_at is None else first_at - start
             tpot = (last_at - first_at) / (completion_tokens - 1) if first_at and completion_tokens > 1 else None
             self._metrics.observe_request(self._num_steps, ttft, tpot, completion_tokens)
+
+    def _admit(self, request: GenerateRequest, messages: list[dict] | None) -> None:
+        """Enforce the queue bound and the prompt limit before the engine takes the request."""
+        limits = self._limits
+        waiting = self._engine.load().waiting
+        if waiting >= limits.max_waiting_per_replica:
+            raise EngineOverloadedError(f"the replica's queue is full ({waiting} waiting requests); retry later")
+        if limits.max_prompt_tokens is None:
+            return
+        tokenize = getattr(self._engine, "tokenize", None)  # engines without one check their own context
+        ids = request.prompt_token_ids
+        n = len(ids) if ids is not None else len(tokenize(request.prompt)) if tokenize and request.prompt else 0
+        if n > limits.max_prompt_tokens:
+            param = "prompt" if messages is None else "messages"
+            raise InvalidRequestError(f"the prompt has {n} tokens; the limit is {limits.max_prompt_tokens}", param)
 
     async def generate(self, request: GenerateRequest, messages: list[dict] | None = None) -> GenerateResult:
         """Run a request to completion."""

@@ -8,6 +8,8 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray exports metrics every 10 s by default; the observability test reads them within seconds.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 TEST_ADMIN_TOKEN_ENV = "SPECSERVE_TEST_ADMIN_TOKEN"
 TEST_ADMIN_TOKEN = "test-admin-token"
 os.environ[TEST_ADMIN_TOKEN_ENV] = TEST_ADMIN_TOKEN

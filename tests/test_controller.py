@@ -67,6 +67,21 @@ def test_a_switch_bumps_the_version_and_records_an_event():
     assert {"time", "from", "to", "reason", "load", "propagation_s"} <= d.keys()
 
 
+def test_slow_reports_still_switch_because_decisions_run_on_their_own_clock():
+    # Reports every 5 s (longer than the policy's whole history window); decisions every 0.25 s.
+    slow = ControllerOptions(report_interval_s=5.0, stale_after_s=12.0)
+    loop = ControlLoop(FAST, slow)
+    events, t = [], 0.0
+    while t <= 12.0 and not events:
+        if t % 5.0 == 0:
+            for rid in ("a", "b"):
+                loop.report(report(rid, t, running=20, applied_version=loop.version))
+        if (e := loop.tick(t)) is not None:
+            events.append(e)
+        t = round(t + slow.decision_interval_s, 6)
+    assert [(e.from_steps, e.to_steps) for e in events] == [(5, 0)]
+
+
 def test_propagation_is_measured_when_the_last_live_replica_applies_it():
     loop = ControlLoop(FAST, OPTS)
     drive(loop, 0.0, 0.25, per_replica_queue=0)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import engine
+from . import engine, faults, report, serve, trace
 
-COMMANDS = {"engine": engine}
+COMMANDS = {"engine": engine, "serve": serve, "trace": trace, "report": report, "faults": faults}
 
 
 def main(argv: list[str] | None = None) -> int:

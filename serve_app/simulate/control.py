@@ -4,7 +4,7 @@
 Cluster-wide (:class:`ClusterControl`): every replica reports (waiting, running, mode) every
 ``report_interval_s`` at its own phase; a report reaches the controller ``report_delay_s``
 later, carrying the time it was taken (as a replica stamps ``time.time()``). The controller
-ticks every ``report_interval_s``; a switch reaches each replica after ``broadcast_delay_s``
+ticks every ``decision_interval_s``; a switch reaches each replica after ``broadcast_delay_s``
 (× a uniform 0.5–1.5 jitter per replica), or sooner through the answer to its next report, as
 on the real long-poll / report paths. A replica's acknowledgement travels back like a report.
 
@@ -61,7 +61,8 @@ class ClusterControl:
         self._seq = itertools.count()
         self._inbox: list = []  # (time, seq, kind, payload) on the way to the controller
         self._outbox: list = []  # (time, seq, replica, version, num_steps) on the way to replicas
-        self._send(self._inbox, self.interval, "tick", None)
+        self.tick_interval = options.decision_interval_s
+        self._send(self._inbox, self.tick_interval, "tick", None)
         self.reports: list[tuple[float, ReplicaReport]] = []  # (delivered at, report) when recording
         self.samples: list = []  # the LoadSample of every tick when recording
 
@@ -103,7 +104,7 @@ class ClusterControl:
             self.switches += 1
             for r, u in enumerate(self.rng.uniform(0.5, 1.5, self.n)):
                 self._send(self._outbox, now + self.broadcast_delay * u, r, event.version, event.to_steps)
-        self._send(self._inbox, now + self.interval, "tick", None)
+        self._send(self._inbox, now + self.tick_interval, "tick", None)
 
 
 class LocalControl:

@@ -1,0 +1,123 @@
+"""Bad input: every case of the corpus is a 4xx OpenAI error that names the problem, and the
+server serves normally afterwards. ``guard_app`` (tight limits) is shared with the fuzz and
+operator-API tests."""
+
+import json
+
+import pytest
+
+from tests.conftest import app_args, deploy, undeploy
+
+# Tight limits, so that the limits themselves are exercised and the fuzzer's requests are short.
+GUARD_LIMITS = {"max_prompt_tokens": 64, "max_tokens": 8, "max_request_bytes": 65536, "max_waiting_per_replica": 2}
+
+
+@pytest.fixture(scope="session")
+def guard_app(serve_http):
+    engine = {
+        "embedded": {"model": "tiny-random", "device": "cpu", "num_threads": 1, "max_num_seqs": 2, "max_model_len": 128}
+    }
+    app = deploy("guard", serve_http, app_args(num_replicas=1, engine=engine, limits=GUARD_LIMITS))
+    yield app
+    undeploy(app)
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (id, path, body: dict → JSON, bytes → sent raw, expected status, text the error must contain)
+CORPUS = [
+    ("malformed-json", C, b"{oops", 400, "not valid JSON"),
+    ("truncated-json", C, b'{"prompt": "x"', 400, "not valid JSON"),
+    ("empty-body", C, b"", 400, "JSON"),
+    ("body-is-a-list", C, [1, 2], 400, "JSON object"),
+    ("body-is-a-string", C, "hello", 400, "JSON object"),
+    ("invalid-utf8", C, b'{"prompt": "\xff\xfe"}', 400, "JSON"),
+    ("prompt-missing", C, {"max_tokens": 2}, 400, "prompt"),
+    ("prompt-is-a-number", C, {"prompt": 5}, 400, "prompt"),
+    ("prompt-is-an-object", C, {"prompt": {"text": "x"}}, 400, "prompt"),
+    ("prompt-empty-string", C, {"prompt": ""}, 400, "empty"),
+    ("prompt-empty-token-list", C, {"prompt": []}, 400, "empty"),
+    ("two-prompts", C, {"prompt": ["a", "b"]}, 400, "one prompt"),
+    ("token-id-out-of-vocab", C, {"prompt": [1, 10**9]}, 400, "token ids"),
+    ("token-id-negative", C, {"prompt": [-1]}, 400, "token ids"),
+    ("prompt-over-the-limit", C, {"prompt": "word " * 200}, 400, "limit is 64"),
+    ("token-prompt-over-the-context", C, {"prompt": [5] * 300}, 400, "prompt"),
+    ("max-tokens-string", C, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("max-tokens-negative", C, {"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ("max-tokens-zero", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max-tokens-fractional", C, {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("max-tokens-huge", C, {"prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
+    ("max-tokens-over-the-cap", C, {"prompt": "x", "max_tokens": 9}, 400, "limit is 8"),
+    ("temperature-too-high", C, {"prompt": "x", "temperature": 9}, 400, "temperature"),
+    ("temperature-string", C, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("top-p-zero", C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top-p-over-one", C, {"prompt": "x", "top_p": 2}, 400, "top_p"),
+    ("n-two", C, {"prompt": "x", "n": 2}, 400, "n=1"),
+    ("logprobs", C, {"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+    ("echo", C, {"prompt": "x", "echo": True}, 400, "echo"),
+    ("best-of", C, {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("presence-penalty", C, {"prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
+    ("logit-bias", C, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("oversized-stop-list", C, {"prompt": "x", "stop": [f"s{i}" for i in range(100)]}, 400, "stop"),
+    ("empty-stop-string", C, {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("stop-string-too-long", C, {"prompt": "x", "stop": "z" * 1000}, 400, "stop"),
+    ("stream-not-a-bool", C, {"prompt": "x", "stream": "perhaps"}, 400, "stream"),
+    ("seed-string", C, {"prompt": "x", "seed": "abc"}, 400, "seed"),
+    ("unknown-model", C, {"prompt": "x", "model": "gpt-9"}, 404, "gpt-9"),
+    ("body-too-large", C, {"prompt": "x" * 100_000}, 413, "limit"),
+    ("chat-messages-missing", CHAT, {"max_tokens": 2}, 400, "messages"),
+    ("chat-messages-empty", CHAT, {"messages": []}, 400, "messages"),
+    ("chat-messages-not-a-list", CHAT, {"messages": "hi"}, 400, "messages"),
+    ("chat-wrong-role", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ("chat-role-missing", CHAT, {"messages": [{"content": "x"}]}, 400, "role"),
+    ("chat-content-a-number", CHAT, {"messages": [{"role": "user", "content": 7}]}, 400, "content"),
+    ("chat-tools", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat-max-completion-tokens-negative", CHAT, {"messages": USER, "max_completion_tokens": -1}, 400, "max_tokens"),
+    (
+        "chat-prompt-over-the-limit",
+        CHAT,
+        {"messages": [{"role": "user", "content": "word " * 200}]},
+        400,
+        "limit is 64",
+    ),
+    ("chat-stream-bad-temperature", CHAT, {"messages": USER, "stream": True, "temperature": -1}, 400, "temperature"),
+    ("chat-unknown-model", CHAT, {"messages": USER, "model": "nope"}, 404, "nope"),
+]
+
+
+def send(app, path, body):
+    if isinstance(body, bytes):
+        return app.http.post(path, content=body, headers={"content-type": "application/json"})
+    return app.http.post(path, json=body)
+
+
+def test_the_corpus_has_at_least_30_cases():
+    assert len(CORPUS) >= 30 and len({c[0] for c in CORPUS}) == len(CORPUS)
+
+
+@pytest.mark.parametrize("path, body, status, names", [c[1:] for c in CORPUS], ids=[c[0] for c in CORPUS])
+def test_bad_input_is_a_4xx_openai_error_naming_the_problem(guard_app, path, body, status, names):
+    r = send(guard_app, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert names.lower() in f"{err['message']} {err['param']}".lower(), err
+
+
+def test_the_server_is_healthy_after_the_corpus(guard_app):
+    for _, path, body, _, _ in CORPUS:
+        send(guard_app, path, body)
+    assert guard_app.http.get("/health").json() == {"status": "ok"}
+    r = guard_app.http.post(C, json={"prompt": "still here", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    r = guard_app.http.post(CHAT, json={"messages": USER, "temperature": 0, "stream": True})
+    lines = [line for line in r.text.splitlines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "error" not in chunks[-1]
+
+
+def test_a_request_without_max_tokens_gets_the_default_cut_to_the_cap(guard_app):
+    r = guard_app.http.post(CHAT, json={"messages": USER, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == GUARD_LIMITS["max_tokens"]
