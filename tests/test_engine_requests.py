@@ -148,3 +148,24 @@ def test_a_full_queue_refuses_new_requests_with_overloaded():
 def test_num_steps_out_of_range_is_refused(engine):
     with pytest.raises(InvalidRequestError):
         asyncio.run(engine.set_num_steps(99))
+
+
+def test_the_waiting_queue_is_bounded_once_requests_reach_the_scheduler():
+    eng = EmbeddedEngine(model="tiny-random", max_num_seqs=1, max_model_len=2100, max_waiting=2)
+    eng.start_sync()
+    try:
+        async def main():
+            accepted, refused = [], 0
+            for i in range(8):
+                try:
+                    accepted.append(eng.generate(req(i, max_tokens=2000)))
+                except EngineOverloadedError:
+                    refused += 1
+                await asyncio.sleep(0.05)  # let the step thread move requests into its queue
+            for stream in accepted:
+                await stream.aclose()
+            return len(accepted), refused
+        accepted, refused = asyncio.run(main())
+        assert accepted <= 1 + 2 and refused >= 8 - 3
+    finally:
+        asyncio.run(eng.shutdown())
