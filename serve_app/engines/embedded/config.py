@@ -19,7 +19,8 @@ class EmbeddedOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "smollm2-135m-instruct"
-    drafter: Literal["ngram"] = "ngram"
+    drafter: Literal["ngram", "eagle"] = "ngram"
+    draft_head: str | None = Field(None, description="EAGLE head .safetensors (default: the one shipped for the model)")
     max_num_seqs: int = Field(32, ge=1, le=1024, description="requests decoded together")
     max_model_len: int = Field(2048, ge=16, description="prompt + output tokens per request")
     max_waiting: int = Field(256, ge=0, description="queued requests before new ones get 429")

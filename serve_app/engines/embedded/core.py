@@ -68,6 +68,8 @@ class EngineCore:
         self.stats = StepStats()
         self.totals = {"proposed": 0, "accepted": 0, "verifies": 0, "steps": 0, "output_tokens": 0}
         self.device = model.device
+        # Layers whose inputs a hidden-state drafter reads; None: the plain final hidden.
+        self.taps = getattr(drafter, "feature_layers", None) if drafter.needs_hidden else None
 
     # -- requests ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -107,7 +109,7 @@ class EngineCore:
         lens = torch.tensor([seq.num_cached for seq, _ in batch])
         last = torch.tensor([[n - 1] for _, n in batch])
         logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache,
-                                            slot0=batch[0][0].slot, logit_index=last.to(self.device))
+                                            slot0=batch[0][0].slot, logit_index=last.to(self.device), taps=self.taps)
         emitted = 0
         for row, (seq, n) in enumerate(batch):
             seq.num_cached += n
@@ -116,7 +118,7 @@ class EngineCore:
             seq.status = Status.DECODING
             emitted += self._append(seq, [self._sample_one(seq, logits[row, 0])])
         if self.drafter.needs_hidden:
-            self.drafter.observe([s.request_id for s, _ in batch], hidden, [0] * len(batch))
+            self._observe([s for s, _ in batch], hidden, [n for _, n in batch])
         self.stats.record(emitted)
 
     def _decode(self, seqs: list[Sequence], num_steps: int) -> None:
@@ -124,14 +126,14 @@ class EngineCore:
         if num_steps > 0:
             # Never draft past what a request may still output.
             limits = [min(num_steps, s.params.max_tokens - s.num_output_tokens - 1) for s in seqs]
-            proposed = self.drafter.propose([s.token_ids for s in seqs], num_steps)
+            proposed = self.drafter.propose([s.request_id for s in seqs], [s.token_ids for s in seqs], num_steps)
             drafts = [d[:max(lim, 0)] for d, lim in zip(proposed, limits)]
         width = 1 + max(len(d) for d in drafts)
         tokens = torch.zeros((len(seqs), width), dtype=torch.long)
         for row, (seq, draft) in enumerate(zip(seqs, drafts)):
             tokens[row, :1 + len(draft)] = torch.tensor([seq.token_ids[-1], *draft])
         lens = torch.tensor([s.num_cached for s in seqs])
-        logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache)
+        logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache, taps=self.taps)
         greedy_argmax = logits.argmax(dim=-1).tolist()
         emitted = proposed_n = accepted_n = verifies = 0
         accepted_per_seq = []
@@ -150,8 +152,15 @@ class EngineCore:
                 self.totals["verifies"] += 1
             emitted += self._append(seq, out)
         if self.drafter.needs_hidden:
-            self.drafter.observe([s.request_id for s in seqs], hidden, accepted_per_seq)
+            self._observe(seqs, hidden, [1 + n for n in accepted_per_seq])
         self.stats.record(emitted, proposed_n, accepted_n, verifies)
+
+    def _observe(self, seqs: list[Sequence], hidden: torch.Tensor, num_valid: list[int]) -> None:
+        """Hand the drafter the hidden states of the sequences still running (finished ones are released)."""
+        live = [r for r, s in enumerate(seqs) if s.status is not Status.FINISHED]
+        if live:
+            rows = hidden if len(live) == len(seqs) else hidden[live]
+            self.drafter.observe([seqs[r].request_id for r in live], rows, [num_valid[r] for r in live])
 
     # -- output -----------------------------------------------------------------------
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:

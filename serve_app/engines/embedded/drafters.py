@@ -2,9 +2,9 @@
 
 A drafter sees the sequences of one decode step and returns, for each, up to k proposed
 next tokens. Drafters that read the target's hidden states (an EAGLE-style head) set
-``needs_hidden`` and get every target forward's hidden states through ``observe``; the
-engine calls it on every step, speculative or not, so such a drafter's state never
-falls behind while speculation is off.
+``needs_hidden`` (and ``feature_layers``: the layers whose inputs they read) and get every
+target forward's hidden states through ``observe``; the engine calls it on every step,
+speculative or not, so such a drafter's state never falls behind while speculation is off.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import torch
 
 class Drafter(Protocol):
     needs_hidden: bool
+    feature_layers: tuple[int, ...] | None  # None: the final-norm hidden state
 
-    def propose(self, token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+    def propose(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
         """Up to k draft tokens for each sequence (its full prompt + output so far)."""
 
-    def observe(self, seq_ids: Sequence[str], hidden: torch.Tensor, accepted: Sequence[int]) -> None:
-        """The target's hidden states of a step (for drafters that need them)."""
+    def observe(self, seq_ids: Sequence[str], hidden: torch.Tensor, num_valid: Sequence[int]) -> None:
+        """The target's hidden states [B, q, ...] of a step; the first ``num_valid[b]`` positions
+        of row b are now in the cache (a prefill chunk, or the fed token + accepted drafts)."""
 
     def release(self, seq_id: str) -> None:
         """A sequence finished; drop any state kept for it."""
@@ -36,11 +38,12 @@ class NgramDrafter:
     """
 
     needs_hidden = False
+    feature_layers = None
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+    def propose(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
         return [self._lookup(np.asarray(ids, dtype=np.int64), k) for ids in token_ids]
 
     def _lookup(self, ids: np.ndarray, k: int) -> list[int]:
@@ -53,7 +56,7 @@ class NgramDrafter:
                 return ids[start:start + k].tolist()
         return []
 
-    def observe(self, seq_ids, hidden, accepted) -> None:
+    def observe(self, seq_ids, hidden, num_valid) -> None:
         pass
 
     def release(self, seq_id: str) -> None:
@@ -63,4 +66,9 @@ class NgramDrafter:
 def make_drafter(name: str, **kwargs) -> Drafter:
     if name == "ngram":
         return NgramDrafter(max_n=kwargs.get("ngram_max", 3), min_n=kwargs.get("ngram_min", 1))
+    if name == "eagle":
+        from .eagle import make_eagle_drafter
+
+        return make_eagle_drafter(kwargs["model"], kwargs.get("draft_head"), kwargs["model_name"],
+                                  kwargs["max_num_seqs"], kwargs["capacity"])
     raise ValueError(f"unknown drafter {name!r}")

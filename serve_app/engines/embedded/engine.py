@@ -46,9 +46,24 @@ def build_core(o: EmbeddedOptions) -> EngineCore:
     eos = set(s.eos_token_ids)
     if loaded.tokenizer.eos_token_id is not None:
         eos.add(loaded.tokenizer.eos_token_id)
-    drafter = make_drafter(o.drafter, ngram_max=o.ngram_max, ngram_min=o.ngram_min)
+    drafter = make_drafter(o.drafter, ngram_max=o.ngram_max, ngram_min=o.ngram_min, model=model,
+                           model_name=loaded.name, draft_head=o.draft_head, max_num_seqs=o.max_num_seqs,
+                           capacity=cache.capacity)
     return EngineCore(model, loaded.tokenizer, drafter, cache, max_num_seqs=o.max_num_seqs,
                       max_prefill_tokens=o.max_prefill_tokens, eos_token_ids=eos)
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue):
+    """Hand deltas from the step thread to the request's event loop; a closed loop (its
+    consumer is gone) drops them rather than failing the step."""
+
+    def emit(delta: TokenDelta) -> None:
+        try:
+            loop.call_soon_threadsafe(out.put_nowait, delta)
+        except RuntimeError:
+            pass
+
+    return emit
 
 
 class EmbeddedEngine:
@@ -63,7 +78,7 @@ class EmbeddedEngine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._num_waiting = 0  # requests submitted but not yet admitted (approximate, for load)
+        self._num_waiting = 0  # requests submitted but not yet handed to the step thread
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -125,11 +140,11 @@ class EmbeddedEngine:
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Validate and queue the request now; stream its deltas from the returned iterator."""
-        if self._num_waiting >= self.options.max_waiting:
+        if self.core is not None and self._num_waiting + len(self.core.scheduler.waiting) >= self.options.max_waiting:
             raise EngineOverloadedError(f"the engine queue is full ({self.options.max_waiting} waiting requests)")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        seq = self.make_sequence(request, lambda d: loop.call_soon_threadsafe(out.put_nowait, d))
+        seq = self.make_sequence(request, _emitter(loop, out))
         self._submit(("add", seq))
         return self._stream(seq.request_id, out)
 

@@ -52,12 +52,14 @@ class Llama:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache, slot0: int = 0,
-                logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                logit_index: torch.Tensor | None = None,
+                taps: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``tokens`` [B, q] of the sequences in slots ``slot0 .. slot0+B-1`` at positions
         ``lens[b] + i``; return (logits, hidden).
 
         ``logit_index`` [B, n] picks which of the q positions get logits (all if None);
-        hidden is the final-norm hidden state of every fed position, [B, q, hidden].
+        hidden is the final-norm hidden state of every fed position, [B, q, hidden], or, with
+        ``taps``, the inputs of those layers concatenated, [B, q, len(taps) * hidden].
         """
         s = self.shape
         B, q = tokens.shape
@@ -69,7 +71,10 @@ class Llama:
         nq, nkv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
 
         x = F.embedding(tokens, self.embed)
+        tapped = []
         for i, w in enumerate(self.layers):
+            if taps and i in taps:
+                tapped.append(x)
             h = F.rms_norm(x, (s.hidden_size,), w["ln1"], s.rms_norm_eps)
             qkv = F.linear(h, w["qkv"], w["qkv_bias"])
             xq = qkv[..., :nq].view(B, q, s.num_heads, d)
@@ -89,7 +94,7 @@ class Llama:
             x = x + F.linear(F.silu(gate) * up, w["down"])
         hidden = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
         picked = hidden if logit_index is None else hidden[torch.arange(B)[:, None], logit_index]
-        return F.linear(picked, self.lm_head).float(), hidden
+        return F.linear(picked, self.lm_head).float(), torch.cat(tapped, dim=-1) if taps else hidden
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

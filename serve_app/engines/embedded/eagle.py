@@ -1,0 +1,246 @@
+"""An EAGLE-3 style draft head and the drafter that runs it.
+
+The head is one Llama decoder layer. At head position ``p`` it reads the target's fused
+features of position ``p - 1`` (the inputs of a low, a middle and a high layer, projected by
+``fc`` from 3·d to d) and the embedding of token ``p`` (the target's own, frozen), and
+predicts token ``p + 1`` over a reduced draft vocabulary (``d2t`` maps it back to full
+ids). Drafting k tokens runs the head k times; after the first, the feature input is the
+head's own output hidden state of the previous position, as in EAGLE.
+
+Head index ``i`` (= ``p - 1``) is both the head's KV-cache index and its RoPE position.
+
+The drafter keeps, per sequence, the head's KV cache of every verified position and the
+projected features the target produced since the head last ran. ``observe`` (every step,
+speculative or not) only projects and stores features; ``propose`` first runs the head
+over the stored positions in one batched pass (catch-up: after a speculative step that
+is the 1 + accepted verified positions, after a stretch without speculation it is every
+token decoded meanwhile), then drafts. Draft positions are written past the verified
+length and simply overwritten next time, as the target's cache does with rejected tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HEADS_DIR = Path(__file__).parent / "heads"
+
+
+@dataclass(slots=True)
+class HeadConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    feature_layers: tuple[int, ...]
+    rms_norm_eps: float
+    rope_theta: float
+
+    @classmethod
+    def for_target(cls, shape, draft_vocab_size: int) -> HeadConfig:
+        L = shape.num_layers
+        layers = tuple(sorted({min(2, L - 1), L // 2, max(L - 3, 0)}))
+        return cls(shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size,
+                   draft_vocab_size, shape.vocab_size, layers, shape.rms_norm_eps, shape.rope_theta)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        self.config = c
+        d, nq, nkv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.fc = nn.Linear(len(c.feature_layers) * d, d, bias=False)
+        self.norm_embed = nn.Parameter(torch.ones(d))
+        self.norm_feature = nn.Parameter(torch.ones(d))
+        self.qkv = nn.Linear(2 * d, nq + 2 * nkv, bias=False)
+        self.o = nn.Linear(nq, d, bias=False)
+        self.norm_mlp = nn.Parameter(torch.ones(d))
+        self.gate_up = nn.Linear(d, 2 * c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, d, bias=False)
+        self.norm_out = nn.Parameter(torch.ones(d))
+        self.lm_head = nn.Linear(d, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.arange(c.draft_vocab_size), persistent=True)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        self._inv_freq = inv
+
+    def rope(self, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., 1, D] for integer positions ``pos``."""
+        freqs = pos.to(torch.float64)[..., None] * self._inv_freq.to(pos.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype).unsqueeze(-2), emb.sin().to(dtype).unsqueeze(-2)
+
+    def qkv_proj(self, g: torch.Tensor, e: torch.Tensor, cos, sin):
+        """q [B,q,H,D], k, v [B,q,KV,D] from feature ``g`` and token embedding ``e`` [B,q,d]."""
+        c = self.config
+        eps, d = c.rms_norm_eps, c.hidden_size
+        h = torch.cat([F.rms_norm(e, (d,), self.norm_embed, eps), F.rms_norm(g, (d,), self.norm_feature, eps)], -1)
+        qkv = self.qkv(h)
+        B, q = g.shape[:2]
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        xq = qkv[..., :nq].view(B, q, c.num_heads, c.head_dim)
+        xk = qkv[..., nq:nq + nkv].view(B, q, c.num_kv_heads, c.head_dim)
+        xv = qkv[..., nq + nkv:].view(B, q, c.num_kv_heads, c.head_dim)
+        return _rope(xq, cos, sin), _rope(xk, cos, sin), xv
+
+    def finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output hidden state from its residual input ``g`` and attention [B,H,q,D]."""
+        c = self.config
+        B, _, q, _ = attn.shape
+        x = g + self.o(attn.transpose(1, 2).reshape(B, q, -1))
+        gate, up = self.gate_up(F.rms_norm(x, (c.hidden_size,), self.norm_mlp, c.rms_norm_eps)).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up)
+
+    def logits(self, a: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(F.rms_norm(a, (self.config.hidden_size,), self.norm_out, self.config.rms_norm_eps))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+# -- files --------------------------------------------------------------------------------
+def save_head(head: EagleHead, path: Path, meta: dict) -> Path:
+    """Write ``path`` (.safetensors) and its .json (config, sha256, how it was made)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous().cpu()
+             for k, v in head.state_dict().items()}
+    save_file(state, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    info = {"sha256": digest, "config": asdict(head.config)} | meta
+    path.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")
+    return path
+
+
+def load_head(path: Path, device="cpu", dtype=torch.float32) -> tuple[EagleHead, dict]:
+    """Load a head, refusing a file whose sha256 differs from its .json."""
+    from safetensors.torch import load
+
+    path = Path(path)
+    info = json.loads(path.with_suffix(".json").read_text())
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != info["sha256"]:
+        raise ValueError(f"draft head {path} has sha256 {digest}, its manifest says {info['sha256']}")
+    cfg = dict(info["config"])
+    cfg["feature_layers"] = tuple(cfg["feature_layers"])
+    head = EagleHead(HeadConfig(**cfg))
+    head.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in load(data).items()})
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False), info
+
+
+def default_head_path(model_name: str) -> Path:
+    return HEADS_DIR / f"{model_name}.safetensors"
+
+
+# -- the drafter --------------------------------------------------------------------------
+class EagleDrafter:
+    """Drafts with an EAGLE-style head; see the module docstring for its state."""
+
+    needs_hidden = True
+
+    def __init__(self, head: EagleHead, embed: torch.Tensor, max_num_seqs: int, capacity: int):
+        c = head.config
+        self.head, self.embed = head, embed
+        self.feature_layers = c.feature_layers
+        p = next(head.parameters())
+        self.scratch = capacity  # one index past the rest: where padding rows write
+        shape = (max_num_seqs, c.num_kv_heads, capacity + 1, c.head_dim)
+        self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.v = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.free = list(range(max_num_seqs - 1, -1, -1))
+        self.slot: dict[str, int] = {}
+        self.length: dict[str, int] = {}  # head positions in the cache (verified)
+        self.pending: dict[str, list[torch.Tensor]] = {}  # projected target features not yet run
+
+    @torch.inference_mode()
+    def observe(self, seq_ids: Sequence[str], hidden: torch.Tensor, num_valid: Sequence[int]) -> None:
+        g = self.head.fc(hidden)
+        for row, (sid, n) in enumerate(zip(seq_ids, num_valid, strict=True)):
+            if sid not in self.slot:
+                self.slot[sid], self.length[sid], self.pending[sid] = self.free.pop(), 0, []
+            self.pending[sid].append(g[row, :n])
+
+    def release(self, seq_id: str) -> None:
+        if seq_id in self.slot:
+            self.free.append(self.slot.pop(seq_id))
+            del self.length[seq_id], self.pending[seq_id]
+
+    @torch.inference_mode()
+    def propose(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        if k <= 0 or not seq_ids:
+            return [[] for _ in seq_ids]
+        head, dev = self.head, self.k.device
+        slots = torch.tensor([self.slot[s] for s in seq_ids], device=dev)
+        # Catch up: run the head over every verified position it has not seen (1 + accepted
+        # after a speculative step, every token decoded meanwhile after plain steps).
+        feats = [torch.cat(self.pending[s]) for s in seq_ids]
+        starts = [self.length[s] for s in seq_ids]
+        n = [len(f) for f in feats]
+        q = max(n)
+        g = torch.zeros((len(seq_ids), q, feats[0].shape[-1]), device=dev, dtype=self.k.dtype)
+        tok = torch.zeros((len(seq_ids), q), dtype=torch.long)
+        for row, (f, start, ids) in enumerate(zip(feats, starts, token_ids, strict=True)):
+            g[row, :len(f)] = f
+            # head index i reads feature i and token i + 1
+            tok[row, :len(f)] = torch.tensor(ids[start + 1:start + 1 + len(f)])
+        lens, num = torch.tensor(starts, device=dev), torch.tensor(n, device=dev)
+        a = self._run(g, tok.to(dev), lens, slots, num)
+        last = num - 1
+        a = a[torch.arange(len(seq_ids), device=dev), last][:, None]  # [B, 1, d]
+        for s, m in zip(seq_ids, n, strict=True):
+            self.length[s] += m
+            self.pending[s] = []
+        lens = lens + num
+        drafts = []
+        for j in range(k):
+            t = head.logits(a[:, 0]).argmax(-1)
+            drafts.append(head.d2t[t])
+            if j + 1 < k:
+                a = self._run(a, drafts[-1][:, None], lens + j, slots)
+        return torch.stack(drafts, 1).tolist()
+
+    def _run(self, g: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
+             num: torch.Tensor | None = None) -> torch.Tensor:
+        """The head over ``g``/``tokens`` [B, q] at cache indices ``lens[b] + i`` (the first
+        ``num[b]`` of them; the rest is padding); returns hidden [B, q, d]."""
+        B, q = tokens.shape
+        pos = lens[:, None] + torch.arange(q, device=lens.device)
+        cos, sin = self.head.rope(pos, g.dtype)
+        xq, xk, xv = self.head.qkv_proj(g, F.embedding(tokens, self.embed), cos, sin)
+        rows = slots[:, None].expand(B, q)
+        wpos = pos if num is None else torch.where(pos < (lens + num)[:, None], pos, self.scratch)
+        self.k[rows, :, wpos] = xk
+        self.v[rows, :, wpos] = xv
+        L = int(pos.max()) + 1 if num is None else int((lens + num).max())
+        mask = (torch.arange(L, device=lens.device)[None, None, :] <= pos[:, :, None]).unsqueeze(1)
+        attn = F.scaled_dot_product_attention(xq.transpose(1, 2), self.k[slots, :, :L], self.v[slots, :, :L],
+                                              attn_mask=mask, enable_gqa=True)
+        return self.head.finish(g, attn)
+
+
+def make_eagle_drafter(model, head_path: str | Path | None, model_name: str, max_num_seqs: int,
+                       capacity: int) -> EagleDrafter:
+    path = Path(head_path) if head_path else default_head_path(model_name)
+    if not path.exists():
+        raise FileNotFoundError(f"no draft head at {path}: train one with "
+                                "python -m serve_app.engines.embedded.train_draft_head")
+    head, _ = load_head(path, model.device, model.dtype)
+    c, s = head.config, model.shape
+    if (c.hidden_size, c.target_vocab_size) != (s.hidden_size, s.vocab_size) or max(c.feature_layers) >= s.num_layers:
+        raise ValueError(f"draft head {path} does not fit the model (hidden {c.hidden_size}, vocab "
+                         f"{c.target_vocab_size}, layers {c.feature_layers})")
+    return EagleDrafter(head, model.embed, max_num_seqs, capacity)

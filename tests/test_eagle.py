@@ -1,0 +1,84 @@
+"""The EAGLE-style draft head: trained by its command, checksummed, lossless in the engine."""
+
+import json
+
+import pytest
+import torch
+
+from serve_app.bench.prompts import PROMPT_SETS, chat_messages
+from serve_app.engines.embedded import train_draft_head
+from serve_app.engines.embedded.eagle import default_head_path, load_head
+
+from .engine_helpers import run_greedy, sync_engine
+from .test_engine_lossless import TINY_PROMPTS, random_schedule
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tmp_path_factory):
+    """A head for tiny-random, trained by the real command on the target's own answers to the
+    test prompts (a random model generalises to nothing else), in a few seconds."""
+    out = tmp_path_factory.mktemp("head") / "tiny.safetensors"
+    engine = sync_engine(model="tiny-random")
+    prompts = tmp_path_factory.getbasetemp() / "samples.pt"
+    ids = [engine.tokenize(p) for p in TINY_PROMPTS]
+    samples = train_draft_head.generate(engine.core.model, ids, 40, set(), batch=20)
+    flat = [torch.tensor(x, dtype=torch.int32) for s in samples for x in s]
+    torch.save({"ids": torch.cat(flat), "lengths": torch.tensor([len(x) for x in flat])}, prompts)
+    assert train_draft_head.main(["--model", "tiny-random", "--device", "cpu", "--out", str(out), "--samples",
+                                  str(prompts), "--draft-vocab", "2048", "--batch", "4", "--max-updates", "150",
+                                  "--lr", "3e-3"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_head):
+    return sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
+                       drafter="eagle", draft_head=str(tiny_head))
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])
+def test_eagle_output_is_identical_for_every_num_steps_and_random_switches(tiny, together):
+    reference = run_greedy(tiny, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False)
+    for k in (3, 5):
+        assert run_greedy(tiny, TINY_PROMPTS, lambda s, k=k: k, max_tokens=40, together=together) == reference
+    for seed in range(2):
+        assert run_greedy(tiny, TINY_PROMPTS, random_schedule(seed), max_tokens=40, together=together) == reference
+    totals = tiny.core.totals
+    assert totals["accepted"] > 0.2 * totals["verifies"], "the head barely drafts right: verify went untested"
+    assert totals["proposed"] > totals["accepted"], "drafts were never rejected"
+
+
+def test_eagle_sequences_release_their_head_state_and_slots_are_reused(tiny):
+    prompts = TINY_PROMPTS * 2  # 40 requests through 8 slots
+    reference = run_greedy(tiny, prompts[:20], lambda s: 0, max_tokens=16, together=False) * 2
+    assert run_greedy(tiny, prompts, random_schedule(5), max_tokens=16, together=True) == reference
+    drafter = tiny.core.drafter
+    assert not drafter.slot and len(drafter.free) == 8
+
+
+def test_eagle_head_with_a_wrong_checksum_is_refused(tiny_head, tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    data = bytearray(tiny_head.read_bytes())
+    data[-1] ^= 1
+    bad.write_bytes(bytes(data))
+    bad.with_suffix(".json").write_text(tiny_head.with_suffix(".json").read_text())
+    with pytest.raises(ValueError, match="sha256"):
+        load_head(bad)
+
+
+def test_shipped_head_matches_its_manifest_and_records_how_it_was_made():
+    path = default_head_path("smollm2-135m-instruct")
+    head, info = load_head(path)
+    assert info["data"]["answer_tokens"] > 1_000_000 and info["hardware"]
+    assert head.config.feature_layers == (2, 15, 27) and len(head.d2t) == head.config.draft_vocab_size
+    assert json.loads(path.with_suffix(".json").read_text())["sha256"] == info["sha256"]
+
+
+@pytest.mark.real_model
+def test_real_model_with_the_shipped_head_is_lossless_and_accepts_drafts():
+    engine = sync_engine(max_num_seqs=8, max_model_len=1024, drafter="eagle")
+    prompts = [engine.apply_chat_template(chat_messages(p)) for p in PROMPT_SETS["chat"][:6]]
+    reference = run_greedy(engine, prompts, lambda s: 0, max_tokens=24, together=True)
+    assert run_greedy(engine, prompts, random_schedule(3), max_tokens=24, together=True) == reference
+    totals = engine.core.totals
+    assert totals["accepted"] > 0.5 * totals["verifies"]
