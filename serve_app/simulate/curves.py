@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-GEMM_COST = Path(__file__).resolve().parents[3] / "shared" / "data" / "gemm_cost_h200_llama8b.json"
+# A copy of the measured H200 GEMM cost table (shared/data/), shipped with the package.
+GEMM_COST = Path(__file__).resolve().parent / "data" / "gemm_cost_h200_llama8b.json"
 
 
 @dataclass
