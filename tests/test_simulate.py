@@ -6,6 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from serve_app.config import load_policy_file
+
 from serve_app.config import ControllerOptions, PolicyConfig, Tier
 from serve_app.simulate.__main__ import curve_policy, main
 from serve_app.simulate.curves import from_bench, load_curve, mean_accepted
@@ -118,9 +120,10 @@ def test_presets_pass_through_their_published_points():
 
 def test_validate_reports_each_point_and_fails_past_the_tolerance(tmp_path):
     curve = from_bench(BENCH, "chat")
+    spec_steps = load_policy_file("configs/policies/local.yaml")["tiers"][0]["num_steps"]  # validate's "spec"
     rows = [
         {"policy": p, "concurrency": c, "output_tokens_per_s": 2 * curve.throughput(c / 2, k)}
-        for p, k in (("off", 0), ("spec", 4))
+        for p, k in (("off", 0), ("spec", spec_steps))
         for c in (2, 8)
     ]
     serve = tmp_path / "serve.json"

@@ -189,10 +189,10 @@ class EngineCore:
         if reason is not None:
             text += seq.detok.flush()
         self.totals["output_tokens"] += len(added)
-        seq.emit(TokenDelta(seq.request_id, added, text, reason, seq.num_prompt_tokens, seq.num_output_tokens))
-        if reason is not None:
+        if reason is not None:  # before the output goes out: a client that sees its end sees it finished
             seq.status, seq.finish_reason = Status.FINISHED, reason
             self.drafter.release(seq.request_id)
+        seq.emit(TokenDelta(seq.request_id, added, text, reason, seq.num_prompt_tokens, seq.num_output_tokens))
         return len(added)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

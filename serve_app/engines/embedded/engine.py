@@ -22,7 +22,7 @@ from .core import EngineCore
 from .drafters import make_drafter
 from .kv_cache import KVCache
 from .model import Llama
-from .sequence import Sequence
+from .sequence import Sequence, Status
 from .weights import load_model
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,9 @@ class EmbeddedEngine:
             return EngineLoad(0, 0, 0.0, 0.0, 0)
         tps, accept, mean_len = core.stats.snapshot()
         sched = core.scheduler
-        return EngineLoad(waiting=len(sched.waiting) + max(self._num_waiting, 0), running=len(sched.running),
+        # A request that just finished leaves its slot at the end of the step: not running.
+        running = sum(1 for s in sched.running if s.status is not Status.FINISHED)
+        return EngineLoad(waiting=len(sched.waiting) + max(self._num_waiting, 0), running=running,
                           output_tokens_per_s=tps, accept_rate=accept, num_steps=core.num_steps,
                           mean_accepted_len=mean_len)
 
