@@ -163,3 +163,15 @@ def fresh_tiny_app(tiny_app):
     tiny_app.reset()
     yield tiny_app
     tiny_app.reset()
+
+
+@pytest.fixture(scope="module")
+def sglang_src():
+    """The pinned sglang wheel's unpacked source; a failure in CI, a skip elsewhere, if absent."""
+    from serve_app.engines.sglang.pinned import VERSION, WHEEL_ENV, source_tree
+
+    path = source_tree()
+    if path is None:
+        reason = f"sglang {VERSION} wheel not found: run .ci/fetch_sglang_wheel.sh or set {WHEEL_ENV}"
+        pytest.fail(reason) if os.environ.get("CI", "").lower() in ("true", "1") else pytest.skip(reason)
+    return path

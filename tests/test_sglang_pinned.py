@@ -6,7 +6,6 @@ a missing wheel fails these tests; elsewhere they skip and say how to fetch it.
 
 import ast
 import inspect
-import os
 import shutil
 import typing
 from pathlib import Path
@@ -22,17 +21,9 @@ from serve_app.engines.sglang.pinned import (
     check_symbols,
     server_arg_types,
     sglang_modules,
-    source_tree,
 )
 
 
-@pytest.fixture(scope="module")
-def src():
-    path = source_tree()
-    if path is None:
-        reason = f"sglang {VERSION} wheel not found: run .ci/fetch_sglang_wheel.sh or set {WHEEL_ENV}"
-        pytest.fail(reason) if os.environ.get("CI", "").lower() in ("true", "1") else pytest.skip(reason)
-    return path
 
 
 def option_variants(tmp_path):
@@ -52,15 +43,15 @@ def option_variants(tmp_path):
     )
 
 
-def test_every_sglang_symbol_we_rely_on_is_in_the_pinned_wheel(src):
-    problems = check_symbols(src)
+def test_every_sglang_symbol_we_rely_on_is_in_the_pinned_wheel(sglang_src):
+    problems = check_symbols(sglang_src)
     assert not problems, f"sglang {VERSION} no longer matches what specserve uses:\n  " + "\n  ".join(problems)
 
 
-def test_the_drift_guard_names_a_symbol_whose_signature_moved(src, tmp_path):
+def test_the_drift_guard_names_a_symbol_whose_signature_moved(sglang_src, tmp_path):
     moved = tmp_path / "sglang/srt/speculative/adaptive_runtime_state.py"
     moved.parent.mkdir(parents=True)
-    shutil.copy(src / "sglang/srt/speculative/adaptive_runtime_state.py", moved)
+    shutil.copy(sglang_src / "sglang/srt/speculative/adaptive_runtime_state.py", moved)
     moved.write_text(
         moved.read_text().replace(
             "def get_steps_for_batch(self, batch_size: int)", "def get_steps_for_batch(self, batch)"
@@ -71,8 +62,8 @@ def test_the_drift_guard_names_a_symbol_whose_signature_moved(src, tmp_path):
     assert any("eagle_worker_v2.py" in p and "file is gone" in p for p in problems)
 
 
-def test_our_policy_has_every_method_of_the_policy_protocol_in_the_wheel(src):
-    tree = ast.parse((src / "sglang/srt/speculative/adaptive_runtime_state.py").read_text())
+def test_our_policy_has_every_method_of_the_policy_protocol_in_the_wheel(sglang_src):
+    tree = ast.parse((sglang_src / "sglang/srt/speculative/adaptive_runtime_state.py").read_text())
     protocol = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AdaptiveSpecPolicy")
     for method in (n for n in protocol.body if isinstance(n, ast.FunctionDef)):
         ours = inspect.getattr_static(policy.CommandedStepsPolicy, method.name)
@@ -83,28 +74,28 @@ def test_our_policy_has_every_method_of_the_policy_protocol_in_the_wheel(src):
         assert list(inspect.signature(ours).parameters) == expected, method.name
 
 
-def test_the_plugin_registers_under_the_group_sglang_loads_and_takes_no_arguments(src):
-    tree = ast.parse((src / "sglang/srt/plugins/__init__.py").read_text())
+def test_the_plugin_registers_under_the_group_sglang_loads_and_takes_no_arguments(sglang_src):
+    tree = ast.parse((sglang_src / "sglang/srt/plugins/__init__.py").read_text())
     group = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "GENERAL_PLUGINS_GROUP")
     assert plugin.ENTRY_POINT_GROUP == ast.literal_eval(group.value)
     assert not inspect.signature(plugin.register).parameters  # load_plugins() calls func()
 
 
-def test_every_server_argument_we_pass_is_a_field_of_that_type_in_the_wheel_source(src, tmp_path):
-    types = server_arg_types(src)
+def test_every_server_argument_we_pass_is_a_field_of_that_type_in_the_wheel_source(sglang_src, tmp_path):
+    types = server_arg_types(sglang_src)
     assert len(types) > 400  # ServerArgs of 0.5.23 has 546 fields: the reader found the namespaces
     for opts in option_variants(tmp_path):
         assert check_server_args(build_server_args(opts), types) == []
 
 
-def test_a_wrong_type_or_an_unknown_server_argument_is_reported(src):
-    problems = check_server_args({"tp_size": "8", "speculative_adaptiv": True}, server_arg_types(src))
+def test_a_wrong_type_or_an_unknown_server_argument_is_reported(sglang_src):
+    problems = check_server_args({"tp_size": "8", "speculative_adaptiv": True}, server_arg_types(sglang_src))
     assert problems[0].startswith("tp_size='8': not a int")
     assert problems[1] == f"speculative_adaptiv: not a ServerArgs field of sglang {VERSION}"
 
 
-def test_server_arguments_against_the_real_ServerArgs_when_it_imports(src, tmp_path):
-    with sglang_modules(src):
+def test_server_arguments_against_the_real_ServerArgs_when_it_imports(sglang_src, tmp_path):
+    with sglang_modules(sglang_src):
         try:
             from sglang.srt.server_args import ServerArgs
         except ImportError as e:

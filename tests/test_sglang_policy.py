@@ -8,7 +8,6 @@ stand-in shaped as the wheel's AdaptiveSpecPolicy protocol.
 
 import ast
 import json
-import os
 import sys
 import types
 from types import SimpleNamespace
@@ -17,24 +16,17 @@ import pytest
 
 from serve_app.engines.sglang import plugin
 from serve_app.engines.sglang.config import SGLangOptions, write_adaptive_config
-from serve_app.engines.sglang.pinned import VERSION, WHEEL_ENV, sglang_modules, source_tree
+from serve_app.engines.sglang.pinned import sglang_modules
 from serve_app.engines.sglang.policy import CommandedStepsPolicy
 
 
-@pytest.fixture(scope="module")
-def src():
-    path = source_tree()
-    if path is None:
-        reason = f"sglang {VERSION} wheel not found: run .ci/fetch_sglang_wheel.sh or set {WHEEL_ENV}"
-        pytest.fail(reason) if os.environ.get("CI", "").lower() in ("true", "1") else pytest.skip(reason)
-    return path
 
 
 @pytest.fixture
-def sgl(src, monkeypatch):
+def sgl(sglang_src, monkeypatch):
     """The wheel's adaptive_runtime_state module (fresh per test, so patches die with it)."""
     monkeypatch.setattr(plugin, "policies", [])
-    with sglang_modules(src):
+    with sglang_modules(sglang_src):
         from sglang.srt.speculative import adaptive_runtime_state
 
         yield adaptive_runtime_state
@@ -140,9 +132,9 @@ def test_register_does_nothing_unless_the_engine_enabled_it(monkeypatch):
     assert "sglang" not in sys.modules
 
 
-def test_register_adds_the_scheduler_method_and_the_policy_hook(src, monkeypatch):
+def test_register_adds_the_scheduler_method_and_the_policy_hook(sglang_src, monkeypatch):
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
-    with sglang_modules(src):
+    with sglang_modules(sglang_src):
         # The real scheduler module needs CUDA libraries; a stand-in takes the method.
         scheduler_module = types.ModuleType("sglang.srt.managers.scheduler")
         scheduler_module.Scheduler = type("Scheduler", (), {})
@@ -154,9 +146,9 @@ def test_register_adds_the_scheduler_method_and_the_policy_hook(src, monkeypatch
         assert AdaptiveController.__init__._specserve
 
 
-def load_config_reader(src):
+def load_config_reader(sglang_src):
     """SGLang's own adaptive-config reader, executed from the wheel's source."""
-    tree = ast.parse((src / "sglang/srt/speculative/adaptive_spec_params.py").read_text())
+    tree = ast.parse((sglang_src / "sglang/srt/speculative/adaptive_spec_params.py").read_text())
     wanted = {"DEFAULT_ADAPTIVE_CONFIG", "_load_adaptive_config", "resolve_candidate_steps_from_config"}
     body = [
         n
@@ -168,16 +160,16 @@ def load_config_reader(src):
     return namespace["resolve_candidate_steps_from_config"]
 
 
-def test_sglang_reads_our_adaptive_config_as_exactly_our_candidate_steps(src, tmp_path):
+def test_sglang_reads_our_adaptive_config_as_exactly_our_candidate_steps(sglang_src, tmp_path):
     opts = SGLangOptions(
         model_path="m", draft_model_path="d", candidate_steps=[5, 0, 2], adaptive_config_dir=str(tmp_path)
     )
-    assert load_config_reader(src)(str(write_adaptive_config(opts))) == [0, 2, 5]
+    assert load_config_reader(sglang_src)(str(write_adaptive_config(opts))) == [0, 2, 5]
 
 
-def test_with_sglangs_real_policy_class_when_it_imports(src, tmp_path, monkeypatch):
+def test_with_sglangs_real_policy_class_when_it_imports(sglang_src, tmp_path, monkeypatch):
     monkeypatch.setattr(plugin, "policies", [])
-    with sglang_modules(src):
+    with sglang_modules(sglang_src):
         try:
             from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
         except ImportError as e:
