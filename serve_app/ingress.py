@@ -84,6 +84,10 @@ _REJECTED = (InvalidRequestError, EngineOverloadedError, BackPressureError)
 _REPLICA_LOST = (RayActorError,)
 
 
+class ReplicasUnavailableError(RuntimeError):
+    """Every replica a request was sent to failed before it produced anything."""
+
+
 def _set_body_limit(limit: int) -> None:
     # A module function, so that it reaches this module's app: Serve pickles the ingress class
     # by value, and a global named in its methods would be a copy.
@@ -263,21 +267,33 @@ class OpenAIIngress:
             params.max_tokens = cap  # the default, cut to the cap
         return params
 
-    async def _with_retries(self, start, request: GenerateRequest):
+    async def _retrying(self, start, request: GenerateRequest):
         """``await start()``, again on another replica if the one it went to died (nothing was
-        sent to the client yet). Returns (result, attempts)."""
+        sent to the caller yet). Returns (result, attempts); engine errors pass through."""
         for attempt in range(1, self._limits.retries + 2):
             try:
                 return await start(), attempt
-            except _REJECTED as e:
-                raise _engine_error(e) from None
             except _REPLICA_LOST as e:
                 logger.warning(
                     "request %s: replica lost (%s), attempt %d", request.request_id, type(e).__name__, attempt
                 )
-        raise APIError(
-            503, "the replicas serving this request failed; retry later", "server_error", headers={"Retry-After": "1"}
+        raise ReplicasUnavailableError(
+            f"request {request.request_id}: the replicas serving it failed {self._limits.retries + 1} times; retry later"
         )
+
+    async def _with_retries(self, start, request: GenerateRequest):
+        """:meth:`_retrying` with its failures as HTTP errors."""
+        try:
+            return await self._retrying(start, request)
+        except _REJECTED as e:
+            raise _engine_error(e) from None
+        except ReplicasUnavailableError:
+            raise APIError(
+                503,
+                "the replicas serving this request failed; retry later",
+                "server_error",
+                headers={"Retry-After": "1"},
+            ) from None
 
     async def _call(self, request: GenerateRequest, messages) -> tuple[Any, int]:
         return await self._with_retries(lambda: self._replica.generate.remote(request, messages), request)
@@ -288,12 +304,17 @@ class OpenAIIngress:
         """Start a stream and wait for its first delta, so that errors still get a status code
         and a replica lost before it sent anything is replaced invisibly."""
 
+        (first, it), attempts = await self._with_retries(self._stream_starter(request, messages), request)
+        return first, it, attempts
+
+    def _stream_starter(self, request: GenerateRequest, messages):
+        """A function that opens the request's stream on a replica and waits for its first delta."""
+
         async def start():
             it = self._replica.options(stream=True).stream.remote(request, messages).__aiter__()
             return await it.__anext__(), it
 
-        (first, it), attempts = await self._with_retries(start, request)
-        return first, it, attempts
+        return start
 
     @staticmethod
     def _sse_response(events: AsyncIterator[str], attempts: int = 1) -> StreamingResponse:
@@ -401,10 +422,12 @@ class OpenAIIngress:
         Give ``prompt`` (text), ``prompt_token_ids`` or chat ``messages``; ``sampling`` takes the
         fields of :class:`SamplingParams` (max_tokens, temperature, top_p, stop, seed, ignore_eos).
         Returns ``{"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "num_steps"}``.
-        Raises InvalidRequestError / EngineOverloadedError.
+        Raises InvalidRequestError / EngineOverloadedError; a replica lost on the way is replaced
+        (``Limits.retries`` times), after which ReplicasUnavailableError.
         """
         request = self._handle_request(prompt, messages, prompt_token_ids, sampling)
-        return asdict(await self._replica.generate.remote(request, messages))
+        result, _ = await self._retrying(lambda: self._replica.generate.remote(request, messages), request)
+        return asdict(result)
 
     async def generate_stream(
         self,
@@ -418,7 +441,9 @@ class OpenAIIngress:
         ``async for d in handle.options(stream=True).generate_stream.remote("Hello")``.
         Yields ``{"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens"}`` per step."""
         request = self._handle_request(prompt, messages, prompt_token_ids, sampling)
-        async for delta in self._replica.options(stream=True).stream.remote(request, messages):
+        # a replica lost before the first delta is replaced; after it, the stream raises as Ray reports it
+        (first, rest), _ = await self._retrying(self._stream_starter(request, messages), request)
+        async for delta in self._deltas(first, rest):
             d = asdict(delta)
             d.pop("request_id")
             yield d

@@ -45,3 +45,44 @@ def test_a_switch_storm_fails_nothing_and_changes_no_output(target):
     assert r["failed"] == 0 and r["mismatched"] == 0 and r["cut"] == 0, r["errors"]
     assert r["switches"] >= 50 and r["switches_refused"] == 0
     assert r["completed"] > 10
+
+
+def test_handle_calls_survive_a_killed_replica(target):
+    """The Ray handle API retries like HTTP: one-shot calls in flight when a replica dies
+    complete on another replica, with the same greedy output."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+    from ray import serve
+
+    handle = serve.get_app_handle(target.app_name)
+    prompts = [f"handle client {i} counts:" for i in range(4)]
+    kw = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    reference = {p: handle.generate.remote(p, **kw).result(timeout_s=120)["text"] for p in prompts}
+    stop, done, errors = threading.Event(), [], []
+
+    def client(prompt: str) -> None:
+        while not stop.is_set():
+            try:
+                out = handle.generate.remote(prompt, **kw).result(timeout_s=120)
+                done.append(out["text"] == reference[prompt] and out["completion_tokens"] == 48)
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(client, p) for p in prompts]
+        time.sleep(2.0)
+        busiest = max(target.replica_infos(), key=lambda info: info["load"]["running"] + info["load"]["waiting"])
+        assert busiest["load"]["running"] > 0
+        victim = next(n for n in target.replica_actor_names() if n.endswith(f"#{busiest['replica_id']}"))
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        time.sleep(3.0)
+        stop.set()
+        for f in futures:
+            f.result(timeout=180)
+    assert not errors, errors[:3]
+    assert len(done) > len(prompts) and all(done)
+    while len(target.replica_actor_names()) < REPLICAS:  # leave the module's app whole for the next test
+        time.sleep(0.5)
