@@ -2,7 +2,8 @@
 
 Starts Debian's prometheus on a free port (config: infra/prometheus/prometheus.yml with a
 1 s scrape), deploys the tiny app with Grafana HTTP annotations pointed at a local stub,
-drives requests and at least two switches, then evaluates every panel query and every
+drives load that makes the controller switch at least twice (off under load, back on when it
+falls; no operator override), then evaluates every panel query and every
 annotation query of every dashboard through Prometheus's HTTP API.
 
 Set SPECSERVE_OBSERVABILITY_PNG=docs/img/mode_timeline.png to also draw the run's mode
@@ -15,7 +16,6 @@ import shutil
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -25,6 +25,7 @@ import yaml
 
 from serve_app.dashboards import build_all
 from tests.conftest import TEST_ADMIN_TOKEN_ENV, app_args, deploy, free_port, undeploy
+from tests.load_gen import LoadGen
 
 ROOT = Path(__file__).resolve().parents[1]
 APP_NAME = "obs"
@@ -136,31 +137,28 @@ def _values(prom: str, expr: str, start: float, end: float, instant: bool) -> li
     return out
 
 
-def _complete(app, n: int, max_tokens: int) -> None:
-    def one(i):
-        body = {"prompt": f"observability {i}", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        r = app.http.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-
-    with ThreadPoolExecutor(n) as pool:
-        list(pool.map(one, range(n)))
-
-
 def test_every_dashboard_query_returns_data_from_a_live_run(prometheus, serve_http, grafana_stub):
     stub_url, annotations = grafana_stub
     args = app_args(controller={"grafana": {"url": stub_url, "token_env": TEST_ADMIN_TOKEN_ENV, "timeout_s": 1.0}})
     app = deploy(APP_NAME, serve_http, args)
     try:
         start = time.time()
-        _complete(app, 4, 16)  # at 4 steps (idle)
-        assert app.put({"mode": "fixed", "num_steps": 0}).status_code == 200
-        app.wait_until(app.all_replicas_at(0, count=2))
-        _complete(app, 4, 16)  # at 0 steps
-        time.sleep(1.5)  # the test policy's min_switch_interval_s
-        assert app.put({"mode": "fixed", "num_steps": 4}).status_code == 200
-        app.wait_until(app.all_replicas_at(4, count=2))
-        _complete(app, 4, 16)
-        assert app.put({"mode": "auto"}).status_code == 200
+        v0 = app.speculation()["version"]
+        load = LoadGen(app.prefix, max_tokens=32)
+        try:  # load alone moves the mode: 1 client speculates, 16 turn it off, 1 turns it back on
+            load.set_clients(1)
+            time.sleep(2.0)
+            load.set_clients(16)
+            app.wait_until(app.all_replicas_at(0, count=2), timeout_s=30)
+            time.sleep(2.0)
+            load.set_clients(1)
+            back = app.wait_until(app.all_replicas_at(4, count=2), timeout_s=30)
+            time.sleep(1.0)
+        finally:
+            load.stop()
+        assert not load.errors, load.errors[:3]
+        reasons = [e["reason"] for e in back["events"] if e["version"] > v0]
+        assert reasons[:2] == ["load_rise", "load_fall"], reasons
 
         # Wait for the last switch and the latest requests to be scraped.
         def scraped() -> bool:
