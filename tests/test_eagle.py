@@ -82,3 +82,23 @@ def test_real_model_with_the_shipped_head_is_lossless_and_accepts_drafts():
     assert run_greedy(engine, prompts, random_schedule(3), max_tokens=24, together=True) == reference
     totals = engine.core.totals
     assert totals["accepted"] > 0.5 * totals["verifies"]
+
+
+def test_pick_is_greedy_at_temperature_zero_and_samples_the_nucleus_only():
+    logits = torch.tensor([[0.0, 3.0, 2.9, -5.0]]).repeat(400, 1)
+    assert train_draft_head.pick(logits, 0.0, 1.0, None).eq(1).all()
+    gen = torch.Generator().manual_seed(0)
+    drawn = train_draft_head.pick(logits, 1.0, 0.9, gen)
+    assert set(drawn.tolist()) == {1, 2}  # tokens 0 and 3 lie outside the 0.9 nucleus
+
+
+def test_magpie_prompts_are_distinct_sampled_user_turns_and_the_search_is_bounded():
+    engine = sync_engine(model="tiny-random")
+    model, tok = engine.core.model, engine.tokenizer
+    # tiny-random favours ids 1000-1200: let a few of them end a turn, so turns are short
+    prompts = train_draft_head.magpie_prompts(model, tok, 6, ["Be brief.", None], set(range(1150, 1200)),
+                                              batch=16, max_new=24, seed=1)
+    assert len(prompts) == len(set(prompts)) > 0
+    assert all(3 <= len(p.split()) <= 80 for p in prompts)
+    # a model that never ends its turn yields nothing, and the search still stops
+    assert train_draft_head.magpie_prompts(model, tok, 4, [None], set(), batch=8, max_new=4) == []

@@ -67,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per point (default max(2 x concurrency, 8))")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per num_steps before the grid")
     p.add_argument("--drafter", choices=["ngram", "eagle"], default="ngram", help="the engine's drafter (default ngram)")
+    p.add_argument("--draft-head", default=None, help="with --drafter eagle: a head's .safetensors (default: the shipped one)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for engine and HF (default torch's)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baseline")
     p.add_argument("--ignore-eos", action="store_true",
@@ -243,7 +244,7 @@ async def benchmark(args) -> dict:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     threads = torch.get_num_threads()  # engine and HF share this process's thread pool
-    engine = EmbeddedEngine(EmbeddedOptions(model=args.model, num_threads=threads, drafter=args.drafter,
+    engine = EmbeddedEngine(EmbeddedOptions(model=args.model, num_threads=threads, drafter=args.drafter, draft_head=args.draft_head,
                                             max_num_seqs=max(32, HF_BATCH, *args.concurrency),
                                             max_num_steps=max(8, *args.num_steps)))
     await engine.start()
@@ -285,6 +286,7 @@ def _meta(args, threads: int) -> dict:
         "threads": threads,
         "model": args.model,
         "drafter": args.drafter,
+        "draft_head": args.draft_head,
         "max_tokens": args.max_tokens,
         "ignore_eos": args.ignore_eos,
         "hf_max_tokens": None if args.no_hf else (args.hf_max_tokens or args.max_tokens),

@@ -85,11 +85,25 @@ def chat_prompts(n: int, seed: int = 0, exclude: set[str] = frozenset()) -> list
 
 
 # -- data -----------------------------------------------------------------------------------
+def pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
+    """Greedy at temperature 0, else a nucleus sample; logits [B, V] -> ids [B]."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    sp, si = probs.sort(-1, descending=True)
+    sp[(sp.cumsum(-1) - sp) > top_p] = 0.0
+    choice = torch.multinomial(sp, 1, generator=gen)
+    return si.gather(-1, choice)[:, 0]
+
+
 @torch.inference_mode()
 def generate(model: Llama, prompts: list[list[int]], max_new: int, eos: set[int], batch: int,
-             seconds: float = math.inf) -> list[tuple[list[int], list[int]]]:
-    """Greedy answers (cut after the first eos), batched; stops starting batches after ``seconds``."""
+             seconds: float = math.inf, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             log=None) -> list[tuple[list[int], list[int]]]:
+    """Answers (cut after the first eos), batched, greedy unless ``temperature``; stops starting
+    batches after ``seconds``. A row that reaches ``max_new`` without eos is kept as it is."""
     s, dev, t0 = model.shape, model.device, time.monotonic()
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
     out = []
     for b0 in range(0, len(prompts), batch):
         if time.monotonic() - t0 > seconds:
@@ -102,7 +116,7 @@ def generate(model: Llama, prompts: list[list[int]], max_new: int, eos: set[int]
             tokens[r, :len(ids)] = torch.tensor(ids)
         lens = torch.tensor([len(ids) for ids in chunk], device=dev)
         logits, _ = model.forward(tokens.to(dev), torch.zeros_like(lens), cache, logit_index=(lens - 1)[:, None])
-        nxt = logits[:, 0].argmax(-1)
+        nxt = pick(logits[:, 0], temperature, top_p, gen)
         answers = [nxt]
         eos_t = torch.tensor(sorted(eos), device=dev)
         done = torch.isin(nxt, eos_t)
@@ -111,14 +125,48 @@ def generate(model: Llama, prompts: list[list[int]], max_new: int, eos: set[int]
                 break
             logits, _ = model.forward(nxt[:, None], lens, cache)
             lens = lens + 1
-            nxt = logits[:, 0].argmax(-1)
+            nxt = pick(logits[:, 0], temperature, top_p, gen)
             answers.append(nxt)
             done |= torch.isin(nxt, eos_t)
         ans = torch.stack(answers, 1).tolist()
         for ids, a in zip(chunk, ans, strict=True):
             cut = next((i + 1 for i, t in enumerate(a) if t in eos), len(a))
             out.append((ids, a[:cut]))
+        if log:
+            log(f"generate: {len(out)}/{len(prompts)} in {time.monotonic() - t0:.0f}s")
     return out
+
+
+def magpie_prompts(model: Llama, tok, n: int, system_prompts: list[str | None], eos: set[int], *, batch: int,
+                   temperature: float = 1.0, top_p: float = 0.95, max_new: int = 64, seed: int = 0,
+                   exclude: set[str] = frozenset(), seconds: float = math.inf, log=None) -> list[str]:
+    """User requests written by the target itself (Magpie, Xu et al. 2024): render the chat
+    template up to the start of a user turn and sample what follows until the turn ends.
+    Kept: turns that end within ``max_new`` tokens, of 3 to 80 words, not seen before. Stops
+    after ``seconds`` or 20 samples per request asked for, whichever comes first."""
+    marker = "\u2063"  # a character no template emits: the user turn is cut where it stands
+    prefixes = []
+    for system in system_prompts:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+        prefixes.append(tok(text[:text.index(marker)], add_special_tokens=False).input_ids)
+    out, seen, t0, round_ = [], {p.strip().lower() for p in exclude}, time.monotonic(), 0
+    while len(out) < n and time.monotonic() - t0 < seconds and round_ * batch < 20 * n:
+        ids = [prefixes[(round_ * batch + i) % len(prefixes)] for i in range(batch)]
+        for _, turn in generate(model, ids, max_new, eos, batch, temperature=temperature, top_p=top_p,
+                                seed=seed + round_):
+            if not turn or turn[-1] not in eos:
+                continue
+            text = tok.decode(turn[:-1], skip_special_tokens=True).strip()
+            key = " ".join(text.lower().split())
+            if 3 <= len(text.split()) <= 80 and key not in seen:
+                seen.add(key)
+                out.append(text)
+        round_ += 1
+        if log:
+            log(f"magpie: {len(out)}/{n} distinct requests after {round_ * batch} samples, "
+                f"{time.monotonic() - t0:.0f}s")
+    return out[:n]
 
 
 @torch.inference_mode()
@@ -249,10 +297,11 @@ def train(head: EagleHead, embed: torch.Tensor, rows: list[dict], val: list[dict
             opt.step()
             update += 1
             if update == 10:
-                t10 = time.monotonic()
-            if update == 40:  # fit the cosine schedule into the time box
-                per = (time.monotonic() - t10) / 30
-                total = max(41, min(max_updates, 40 + int((seconds - (time.monotonic() - t0)) / per)))
+                t10, mark = time.monotonic(), 10
+            if update in (40, 200, 1000, 2000):  # fit the cosine schedule into the time box; the first
+                now = time.monotonic()  # updates run slow, so the rate is re-read over the latest stretch
+                per, t10, mark = (now - t10) / (update - mark), now, update
+                total = max(update + 1, min(max_updates, update + int((seconds - (time.monotonic() - t0)) / per)))
                 log(f"train: {per * 1000:.0f} ms/update, {total} updates planned")
             if update % 500 == 0:
                 log(f"train: update {update}/{total} loss {loss.item():.3f} {time.monotonic() - t0:.0f}s")
@@ -277,6 +326,22 @@ def evaluate(head: EagleHead, embed, rows: list[dict], t2d, steps: int, batch: i
     return {"val_step_accuracy": per_step, "val_accepted_per_verify": apv}
 
 
+def render(tok, text: str, system: str | None) -> list[int]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False).input_ids
+
+
+def bench_chat_eval(model: Llama, head: EagleHead, tok, loaded, t2d, steps: int, system: str,
+                    prompts: list[str], max_new: int = 128) -> dict:
+    """The head on the engine benchmark's chat prompts (never trained on): the target's greedy
+    answers, then the same training-time-test measure as validation."""
+    eos = set(loaded.shape.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    samples = generate(model, [render(tok, p, system) for p in prompts], max_new, eos, len(prompts))
+    rows = extract(model, samples, head.config.feature_layers, batch=len(prompts))
+    return evaluate(head, model.embed, rows, t2d, steps, len(rows))
+
+
 def build_head(model: Llama, vocab: torch.Tensor) -> EagleHead:
     head = EagleHead(HeadConfig.for_target(model.shape, len(vocab))).to(model.device)
     with torch.no_grad():
@@ -291,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="the head's .safetensors (a .json is written beside it)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--num-prompts", type=int, default=12000)
+    p.add_argument("--magpie-fraction", type=float, default=0.8,
+                   help="share of the prompts the target writes itself (Magpie); the rest from templates")
+    p.add_argument("--magpie-batch", type=int, default=1024)
+    p.add_argument("--magpie-temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--gen-batch", type=int, default=384)
     p.add_argument("--gen-seconds", type=float, default=200, help="stop starting new generation batches after this")
@@ -303,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny-layers", type=int, default=2)
     p.add_argument("--save-samples", default=None, help="also save the generated (prompt, answer) ids here (.pt)")
+    p.add_argument("--samples-only", action="store_true", help="stop after saving the samples (--save-samples)")
     p.add_argument("--samples", default=None, help="train on samples saved by --save-samples instead of generating")
     a = p.parse_args(argv)
     torch.manual_seed(a.seed)
@@ -314,25 +384,35 @@ def main(argv: list[str] | None = None) -> int:
     tok = loaded.tokenizer
     from serve_app.bench.prompts import CHAT_PROMPTS, SYSTEM_PROMPT
 
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    n_magpie = 0
     t0 = time.monotonic()
     if a.samples:
         saved = torch.load(a.samples)
         flat = saved["ids"].split(saved["lengths"].tolist())
         samples = [(flat[i].tolist(), flat[i + 1].tolist()) for i in range(0, len(flat), 2)]
-    else:  # a quarter without the system prompt, so both renderings are seen
-        texts = chat_prompts(a.num_prompts, a.seed, exclude=set(CHAT_PROMPTS))
-        rendered = [tok.apply_chat_template(([{"role": "system", "content": SYSTEM_PROMPT}] if i % 4 else []) +
-                                            [{"role": "user", "content": t}], tokenize=False,
-                                            add_generation_prompt=True) for i, t in enumerate(texts)]
-        ids = [tok(r, add_special_tokens=False).input_ids for r in rendered]
+        n_magpie = int(saved.get("magpie", 0))
+    else:
         eos = set(loaded.shape.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-        samples = generate(model, ids, a.max_new_tokens, eos, a.gen_batch, a.gen_seconds)
+        n_magpie = round(a.num_prompts * a.magpie_fraction)
+        texts = magpie_prompts(model, tok, n_magpie, [SYSTEM_PROMPT, None], eos, batch=a.magpie_batch,
+                               temperature=a.magpie_temperature, seed=a.seed, exclude=set(CHAT_PROMPTS),
+                               seconds=a.gen_seconds / 4, log=log) if n_magpie else []
+        n_magpie = len(texts)
+        texts += chat_prompts(a.num_prompts - n_magpie, a.seed, exclude=set(CHAT_PROMPTS) | set(texts))
+        random.Random(a.seed).shuffle(texts)
+        ids = [render(tok, t, SYSTEM_PROMPT if i % 4 else None) for i, t in enumerate(texts)]
+        samples = generate(model, ids, a.max_new_tokens, eos, a.gen_batch, a.gen_seconds, log=log)
     gen_s = time.monotonic() - t0
     n_answer = sum(len(s[1]) for s in samples)
     print(f"generated {len(samples)} answers, {n_answer} tokens in {gen_s:.0f}s", flush=True)
     if a.save_samples:
         flat = [torch.tensor(x, dtype=torch.int32) for s in samples for x in s]
-        torch.save({"ids": torch.cat(flat), "lengths": torch.tensor([len(x) for x in flat])}, a.save_samples)
+        torch.save({"ids": torch.cat(flat), "lengths": torch.tensor([len(x) for x in flat]),
+                    "magpie": n_magpie}, a.save_samples)
+        print(f"wrote {a.save_samples}", flush=True)
+    if a.samples_only:
+        return 0
     head_cfg = HeadConfig.for_target(loaded.shape, a.draft_vocab)
     t0 = time.monotonic()
     rows = extract(model, samples, head_cfg.feature_layers, batch=64)
@@ -352,11 +432,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True  # the features are taken: train fast
     result = train(head, model.embed, rows, val, t2d, steps=a.ttt_steps, batch=a.batch, lr=a.lr,
                    seconds=a.train_seconds, max_updates=a.max_updates, log=lambda m: print(m, flush=True))
+    result["bench_chat"] = bench_chat_eval(model, head, tok, loaded, t2d, a.ttt_steps, SYSTEM_PROMPT, CHAT_PROMPTS)
     print(json.dumps({k: v for k, v in result.items() if k != "loss_history"}), flush=True)
     meta = {
         "target": a.model,
         "data": {"prompts": len(samples), "answer_tokens": n_answer, "max_new_tokens": a.max_new_tokens,
-                 "prompt_generator": "train_draft_head.chat_prompts", "seed": a.seed,
+                 "prompt_generator": "train_draft_head.magpie_prompts + chat_prompts",
+                 "magpie_requests_written": n_magpie, "seed": a.seed,
                  "samples_file": a.samples, "validation_sequences": len(val), "draft_vocab_coverage": round(coverage, 4),
                  "coverage_by_vocab_size": val_cov},
         "training": {"ttt_steps": a.ttt_steps, "batch": a.batch, "lr": a.lr} | result,
