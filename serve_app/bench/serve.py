@@ -2,9 +2,11 @@
 
 For each concurrency c, each policy in turn (spec, off, dynamic: back to back, so the ratios
 between them see the same machine conditions) runs c closed-loop streaming clients over HTTP
-(``/v1/chat/completions``, greedy) on the same prompt sequence. ``spec`` pins the ladder's
-top tier and ``off`` pins num_steps 0 through ``PUT /v1/speculation``; ``dynamic`` hands the
-mode back to the policy (``mode: auto``).
+(``/v1/chat/completions``, greedy) on the same prompt sequence: requests started in the
+measured window take prompts 0, 1, 2, ... at every point (warm-up requests take others),
+since the prompts' speed-ups differ widely and a window holds few requests at low load.
+``spec`` pins the ladder's top tier and ``off`` pins num_steps 0 through
+``PUT /v1/speculation``; ``dynamic`` hands the mode back to the policy (``mode: auto``).
 
 A point runs continuously. Its first ``--settle-s`` seconds are warm-up and are not measured:
 the load reaches c, and under ``dynamic`` the controller has time to reach the tier of that
@@ -75,13 +77,15 @@ async def run_point(target: Target, poller: Poller, prompts: list[list[dict]], c
     t1 = t0 + measure_s
     records, measured = [], []
     open_measured = 0
-    indices = itertools.count()  # every point walks the same prompt sequence
+    # Requests started in the window take prompts 0, 1, 2, ... at every point, so every policy is
+    # measured on the same prompts (their speed-ups differ a lot); warm-up ones take others.
+    window_indices, other_indices = itertools.count(), itertools.count(len(prompts) // 2)
 
     async def client() -> None:
         nonlocal open_measured
         while time.perf_counter() < t1 or open_measured:
-            i = next(indices)
             in_window = t0 <= time.perf_counter() < t1
+            i = next(window_indices if in_window else other_indices)
             open_measured += in_window
             rec = await target.chat(i, prompts[i % len(prompts)], max_tokens, ignore_eos)
             open_measured -= in_window
