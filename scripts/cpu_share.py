@@ -1,0 +1,79 @@
+"""Where the CPU goes during a serving point: per-process CPU seconds over a measured window.
+
+python scripts/cpu_share.py --config configs/local.yaml --prompt-set copy --concurrency 16 --policy off
+"""
+import argparse
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+
+import psutil
+
+from serve_app.bench.client import Poller, add_target_arguments, prompt_messages, run_against_target
+from serve_app.bench.serve import run_point
+
+
+def group(p: psutil.Process) -> str:
+    try:
+        name = " ".join(p.cmdline())[:200]
+    except psutil.Error:
+        return "?"
+    if p.pid == os.getpid():
+        return "benchmark client"
+    for key in ("LLMReplica", "OpenAIIngress", "ProxyActor", "ModeController", "ServeController", "raylet", "gcs_server",
+                "dashboard", "log_monitor", "monitor.py", "runtime_env", "default_worker"):
+        if key in name:
+            return key
+    return "other: " + name[:60]
+
+
+def cpu_by_group() -> dict:
+    out = defaultdict(float)
+    for p in psutil.process_iter():
+        try:
+            t = p.cpu_times()
+            out[group(p)] += t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_target_arguments(ap)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--policy", default="off")
+    ap.add_argument("--settle-s", type=float, default=10)
+    ap.add_argument("--measure-s", type=float, default=30)
+    args = ap.parse_args()
+
+    async def body(target):
+        prompts = prompt_messages(args.prompt_set.split(","))
+        await target.apply_policy(args.policy, 3)
+        result = {}
+
+        def sample():
+            time.sleep(args.settle_s)
+            a, t0 = cpu_by_group(), time.monotonic()
+            time.sleep(args.measure_s)
+            b, t1 = cpu_by_group(), time.monotonic()
+            result["window_s"] = round(t1 - t0, 1)
+            result["cpu_s"] = {k: round(b[k] - a.get(k, 0.0), 1) for k in b if b[k] - a.get(k, 0.0) > 0.05}
+
+        th = threading.Thread(target=sample)
+        th.start()
+        async with Poller(target) as poller:
+            row = await run_point(target, poller, prompts, args.concurrency, args.settle_s, args.measure_s, 128, False)
+        th.join()
+        await target.put_mode(None)
+        return {"row": {k: row[k] for k in ("output_tokens_per_s", "tpot_p50_ms")}, **result}
+
+    out = run_against_target(args, body)
+    out["cpu_s"] = dict(sorted(out["cpu_s"].items(), key=lambda kv: -kv[1]))
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
