@@ -85,6 +85,17 @@ def chat_prompts(n: int, seed: int = 0, exclude: set[str] = frozenset()) -> list
 
 
 # -- data -----------------------------------------------------------------------------------
+def messages(text: str, system: str | None) -> list[dict[str, str]]:
+    """A one-turn chat: the user's ``text``, after ``system`` if one is given."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+def eos_ids(loaded) -> set[int]:
+    """The ids that end a turn: the model's and its tokenizer's."""
+    tok = loaded.tokenizer
+    return set(loaded.shape.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+
+
 def pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
     """Greedy at temperature 0, else a nucleus sample; logits [B, V] -> ids [B]."""
     if temperature <= 0:
@@ -147,8 +158,7 @@ def magpie_prompts(model: Llama, tok, n: int, system_prompts: list[str | None], 
     marker = "\u2063"  # a character no template emits: the user turn is cut where it stands
     prefixes = []
     for system in system_prompts:
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+        text = tok.apply_chat_template(messages(marker, system), tokenize=False, add_generation_prompt=False)
         prefixes.append(tok(text[:text.index(marker)], add_special_tokens=False).input_ids)
     out, seen, t0, round_ = [], {p.strip().lower() for p in exclude}, time.monotonic(), 0
     while len(out) < n and time.monotonic() - t0 < seconds and round_ * batch < 20 * n:
@@ -297,11 +307,11 @@ def train(head: EagleHead, embed: torch.Tensor, rows: list[dict], val: list[dict
             opt.step()
             update += 1
             if update == 10:
-                t10, mark = time.monotonic(), 10
+                t_mark, mark = time.monotonic(), 10
             if update in (40, 200, 1000, 2000):  # fit the cosine schedule into the time box; the first
                 now = time.monotonic()  # updates run slow, so the rate is re-read over the latest stretch
-                per, t10, mark = (now - t10) / (update - mark), now, update
-                total = max(update + 1, min(max_updates, update + int((seconds - (time.monotonic() - t0)) / per)))
+                per, t_mark, mark = (now - t_mark) / (update - mark), now, update
+                total = max(update + 1, min(max_updates, update + int((seconds - (now - t0)) / per)))
                 log(f"train: {per * 1000:.0f} ms/update, {total} updates planned")
             if update % 500 == 0:
                 log(f"train: update {update}/{total} loss {loss.item():.3f} {time.monotonic() - t0:.0f}s")
@@ -327,8 +337,7 @@ def evaluate(head: EagleHead, embed, rows: list[dict], t2d, steps: int, batch: i
 
 
 def render(tok, text: str, system: str | None) -> list[int]:
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+    return tok(tok.apply_chat_template(messages(text, system), tokenize=False, add_generation_prompt=True),
                add_special_tokens=False).input_ids
 
 
@@ -336,7 +345,7 @@ def bench_chat_eval(model: Llama, head: EagleHead, tok, loaded, t2d, steps: int,
                     prompts: list[str], max_new: int = 128) -> dict:
     """The head on the engine benchmark's chat prompts (never trained on): the target's greedy
     answers, then the same training-time-test measure as validation."""
-    eos = set(loaded.shape.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    eos = eos_ids(loaded)
     samples = generate(model, [render(tok, p, system) for p in prompts], max_new, eos, len(prompts))
     rows = extract(model, samples, head.config.feature_layers, batch=len(prompts))
     return evaluate(head, model.embed, rows, t2d, steps, len(rows))
@@ -393,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         samples = [(flat[i].tolist(), flat[i + 1].tolist()) for i in range(0, len(flat), 2)]
         n_magpie = int(saved.get("magpie", 0))
     else:
-        eos = set(loaded.shape.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+        eos = eos_ids(loaded)
         n_magpie = round(a.num_prompts * a.magpie_fraction)
         texts = magpie_prompts(model, tok, n_magpie, [SYSTEM_PROMPT, None], eos, batch=a.magpie_batch,
                                temperature=a.magpie_temperature, seed=a.seed, exclude=set(CHAT_PROMPTS),
