@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import pack_linears
+
 HEADS_DIR = Path(__file__).parent / "heads"
 
 
@@ -243,4 +245,4 @@ def make_eagle_drafter(model, head_path: str | Path | None, model_name: str, max
     if (c.hidden_size, c.target_vocab_size) != (s.hidden_size, s.vocab_size) or max(c.feature_layers) >= s.num_layers:
         raise ValueError(f"draft head {path} does not fit the model (hidden {c.hidden_size}, vocab "
                          f"{c.target_vocab_size}, layers {c.feature_layers})")
-    return EagleDrafter(head, model.embed, max_num_seqs, capacity)
+    return EagleDrafter(pack_linears(head), model.embed, max_num_seqs, capacity)

@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
+from .linear import Linear
 from .weights import LlamaShape
 
 
 class Llama:
-    """Weights of a Llama-family model, fused for fewer kernel launches."""
+    """Weights of a Llama-family model, fused for fewer kernel launches; the matrix products
+    go through ``Linear`` (on the CPU, oneDNN with weights reordered once)."""
 
     def __init__(self, shape: LlamaShape, state: dict[str, torch.Tensor], device, dtype):
         self.shape = shape
@@ -29,6 +31,7 @@ class Llama:
 
         self.embed = t("model.embed_tokens.weight")
         self.lm_head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in state else t("lm_head.weight")
+        self.lm_head_linear = Linear(self.lm_head)
         self.norm = t("model.norm.weight")
         self.layers = []
         for i in range(shape.num_layers):
@@ -38,11 +41,11 @@ class Llama:
             if p + "self_attn.q_proj.bias" in state:  # Qwen2
                 bias = torch.cat([t(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             self.layers.append(dict(
-                ln1=t(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
-                o=t(p + "self_attn.o_proj.weight"),
+                ln1=t(p + "input_layernorm.weight"), qkv=Linear(qkv, bias),
+                o=Linear(t(p + "self_attn.o_proj.weight")),
                 ln2=t(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
-                down=t(p + "mlp.down_proj.weight"),
+                gate_up=Linear(torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])),
+                down=Linear(t(p + "mlp.down_proj.weight")),
             ))
         inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim))
         freqs = torch.outer(torch.arange(shape.max_position_embeddings + 64, dtype=torch.float64), inv_freq)
@@ -76,7 +79,7 @@ class Llama:
             if taps and i in taps:
                 tapped.append(x)
             h = F.rms_norm(x, (s.hidden_size,), w["ln1"], s.rms_norm_eps)
-            qkv = F.linear(h, w["qkv"], w["qkv_bias"])
+            qkv = w["qkv"](h)
             xq = qkv[..., :nq].view(B, q, s.num_heads, d)
             xk = qkv[..., nq:nq + nkv].view(B, q, s.num_kv_heads, d)
             xv = qkv[..., nq + nkv:].view(B, q, s.num_kv_heads, d)
@@ -88,13 +91,13 @@ class Llama:
                 xq.transpose(1, 2), k_cache[slot0:slot0 + B, :, :L], v_cache[slot0:slot0 + B, :, :L],
                 attn_mask=mask, enable_gqa=True,
             )
-            x = x + F.linear(attn.transpose(1, 2).reshape(B, q, nq), w["o"])
+            x = x + w["o"](attn.transpose(1, 2).reshape(B, q, nq))
             h = F.rms_norm(x, (s.hidden_size,), w["ln2"], s.rms_norm_eps)
-            gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["down"])
+            gate, up = w["gate_up"](h).chunk(2, dim=-1)
+            x = x + w["down"](F.silu(gate) * up)
         hidden = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
         picked = hidden if logit_index is None else hidden[torch.arange(B)[:, None], logit_index]
-        return F.linear(picked, self.lm_head).float(), torch.cat(tapped, dim=-1) if taps else hidden
+        return self.lm_head_linear(picked).float(), torch.cat(tapped, dim=-1) if taps else hidden
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
