@@ -11,6 +11,7 @@ import pytest
 
 from serve_app.bench.__main__ import main
 from serve_app.bench.client import Record
+from serve_app.bench.serve import window_order
 from serve_app.bench.trace import make_trace, policy_stats, rates_from_sweep
 
 ROW_FIELDS = {"policy", "concurrency", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
@@ -36,7 +37,7 @@ def results(reset_tiny_app, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     url = reset_tiny_app.prefix
     assert main(["serve", "--url", url, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN", "--concurrency", "1,6",
-                 *FAST, "--out", str(out / "serve_sweep.json")]) == 0
+                 "--repeats", "2", *FAST, "--out", str(out / "serve_sweep.json")]) == 0
     assert main(["trace", "--url", url, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN", "--trace", "bursty",
                  "--phases", "3", "--phase-s", "1.5", "--low-rate", "1", "--high-rate", "8", "--seed", "7",
                  "--max-tokens", "8", "--ignore-eos", "--tpot-slo-ms", "1000", "--out", str(out / "serve_trace.json")]) == 0
@@ -61,6 +62,22 @@ def test_bench_serve_writes_one_row_per_concurrency_and_policy_in_sweep_order(re
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
     assert [x["concurrency"] for x in sweep["ratios"]] == [1, 6]
     assert sweep["meta"]["spec_steps"] == 4 and sweep["meta"]["replicas"] == 2
+
+
+def test_bench_serve_pools_a_rows_repeated_windows(results):
+    sweep = json.loads((results / "serve_sweep.json").read_text())
+
+    assert sweep["meta"]["repeats"] == 2
+    for row in sweep["rows"]:
+        assert row["windows"] == 2 and len(row["window_tokens_per_s"]) == 2
+        # equal windows: the row's tokens/s is their mean
+        assert row["output_tokens_per_s"] == pytest.approx(sum(row["window_tokens_per_s"]) / 2, abs=0.01)
+
+
+def test_repeated_windows_run_in_mirrored_order():
+    assert window_order(["spec", "off", "dynamic"], 1) == ["spec", "off", "dynamic"]
+    assert window_order(["spec", "off", "dynamic"], 3) == ["spec", "off", "dynamic", "dynamic", "off", "spec",
+                                                          "spec", "off", "dynamic"]
 
 
 def test_bench_serve_pins_spec_and_off_and_lets_the_policy_choose_under_dynamic(results):

@@ -31,7 +31,7 @@ def test_local_config_binds_localhost_with_two_embedded_replicas():
     assert raw["http_options"]["host"] == "127.0.0.1"
     args = AppArgs.model_validate(raw["applications"][0]["args"])
     assert (args.engine.backend, args.num_replicas) == ("embedded", 2)
-    assert args.engine.embedded.model == "smollm2-135m-instruct" and args.engine.embedded.drafter == "ngram"
+    assert args.engine.embedded.model == "smollm2-135m-instruct" and args.engine.embedded.drafter == "eagle"
 
 
 def test_prod_config_reserves_eight_gpus_per_replica():

@@ -271,7 +271,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token-env", default=None,
                    help="environment variable with the admin token (default: the config's admin_token_env, "
                         "or SPECSERVE_ADMIN_TOKEN with --url)")
-    p.add_argument("--prompt-set", default="copy", help="comma list of prompt sets, interleaved (default copy)")
+    p.add_argument("--prompt-set", default="chat", help="comma list of prompt sets, interleaved (default chat)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request, at most (default 128)")
     p.add_argument("--ignore-eos", action="store_true", help="every request runs to --max-tokens")
 

@@ -67,7 +67,8 @@ def sweep_section(result: dict, out: Path) -> list[str]:
     lines = ["## Concurrency sweep (`bench serve`)", "",
              f"{m['model']}, {m['replicas']} replicas, spec = {m['spec_steps']} steps, prompts `{m['prompt_set']}`, "
              f"max_tokens {m['max_tokens']}, {rows[0]['settle_s']:g} s settle + {rows[0]['measure_s']:g} s measured "
-             f"per point; policies run back to back at each concurrency. Command: `{m['command']}` ({m['date']}).", "",
+             f"per window, {rows[0].get('windows', 1)} window(s) per policy and concurrency; policies run back to back "
+             f"at each concurrency (repeats in mirrored order). Command: `{m['command']}` ({m['date']}).", "",
              "| concurrency | " + " | ".join(f"{p} tok/s" for p in policies) + " | dynamic / best static | ≥ 0.95 |",
              "|---:|" + "---:|" * len(policies) + "---:|:---:|"]
     short = []
@@ -81,10 +82,13 @@ def sweep_section(result: dict, out: Path) -> list[str]:
         ratio = f"{x['dynamic_over_best_static']:.2f} ({x['best_static']})" if x else "–"
         lines.append(f"| {c} | {cells} | {ratio} | {'yes' if ok else 'no' if x else '–'} |")
     lines += ["", "Latency (ms), p50 / p99:", "",
-              "| concurrency | policy | TTFT | TPOT | switches | modes (share of window) |", "|---:|---|---:|---:|---:|---|"]
+              "| concurrency | policy | TTFT | TPOT | switches | modes (share of window) | tok/s per window |",
+              "|---:|---|---:|---:|---:|---|---|"]
     for r in rows:
+        per_window = ", ".join(_f(v) for v in r.get("window_tokens_per_s", [r["output_tokens_per_s"]]))
         lines.append(f"| {r['concurrency']} | {r['policy']} | {_f(r['ttft_p50_ms'])} / {_f(r['ttft_p99_ms'])} | "
-                     f"{_f(r['tpot_p50_ms'])} / {_f(r['tpot_p99_ms'])} | {_f(r['switches'], 'd')} | {r['mode_share']} |")
+                     f"{_f(r['tpot_p50_ms'])} / {_f(r['tpot_p99_ms'])} | {_f(r['switches'], 'd')} | {r['mode_share']} "
+                     f"| {per_window} |")
     lines += ["", "Points under 0.95:" if short else "Every point reaches 0.95 of the best static policy.", *short, ""]
     plot_sweep(result, out / "serve_sweep.png")
     return lines + ["![tokens/s against concurrency](serve_sweep.png)", ""]

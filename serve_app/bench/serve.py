@@ -17,6 +17,11 @@ load (dwell + min switch interval). Then ``--measure-s`` seconds are measured:
   (unmeasured) requests until the last of them ends, so they all see load c;
 - switches: controller mode changes in the window; ``mode_share``: the share of the window
   spent in each num_steps; ``mean_load_per_replica``: what the controller saw.
+
+With ``--repeats N`` each policy runs N such windows per concurrency, in mirrored order
+(spec, off, dynamic, dynamic, off, spec, ...), so that a drift of the shared machine over a
+point weighs on every policy alike; a row pools its windows (tokens over the summed measured
+time, percentiles over all their requests) and lists each window's tokens/s.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from tqdm import tqdm
@@ -35,7 +41,7 @@ from tqdm import tqdm
 from .client import POLICIES, Poller, Target, add_target_arguments, prompt_messages, run_against_target
 from .engine import _f as f
 from .engine import _int_list
-from .stats import summarize
+from .stats import RequestTiming, summarize
 
 HELP = "spec vs off vs dynamic over a concurrency sweep, through the HTTP serving stack"
 
@@ -52,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", type=_policies, default=list(POLICIES), help="comma list (default spec,off,dynamic)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32], help="comma list")
     p.add_argument("--settle-s", type=float, default=15.0, help="unmeasured seconds at the start of each point")
-    p.add_argument("--measure-s", type=float, default=30.0, help="measured seconds of each point")
+    p.add_argument("--measure-s", type=float, default=30.0, help="measured seconds of each window")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="windows per policy and concurrency, in mirrored order (default 1)")
     p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: the ladder's top tier)")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
 
@@ -60,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if 0 in args.concurrency:
         sys.exit("concurrency must be positive")
+    if args.repeats < 1:
+        sys.exit("--repeats must be at least 1")
     result = run_against_target(args, lambda target: sweep(target, args))
     print(format_table(result))
     if args.out:
@@ -70,8 +80,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- one point ---------------------------------------------------------------------------
-async def run_point(target: Target, poller: Poller, prompts: list[list[dict]], concurrency: int, settle_s: float,
-                    measure_s: float, max_tokens: int, ignore_eos: bool) -> dict:
+@dataclass(slots=True)
+class Window:
+    """One measured window of a point: what ``point_row`` pools over a point's windows."""
+
+    timings: list[RequestTiming]
+    tokens: float
+    completed: int
+    errors: int
+    settle_s: float
+    measure_s: float
+    poll: dict
+
+
+async def measure_window(target: Target, poller: Poller, prompts: list[list[dict]], concurrency: int,
+                         settle_s: float, measure_s: float, max_tokens: int, ignore_eos: bool) -> Window:
     """c closed-loop clients: settle, then measure (see the module docstring)."""
     t0 = time.perf_counter() + settle_s
     t1 = t0 + measure_s
@@ -94,18 +117,44 @@ async def run_point(target: Target, poller: Poller, prompts: list[list[dict]], c
                 measured.append(rec)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    timings = [r.timing for r in measured if r.ok]
-    row = summarize(timings, measure_s)
-    tokens = sum(r.tokens_between(t0, t1) for r in records)
-    completed = sum(1 for r in records if r.ok and t0 <= r.end < t1)
-    return row | {
-        "output_tokens_per_s": round(tokens / measure_s, 3),
-        "requests_per_s": round(completed / measure_s, 4),
+    return Window(timings=[r.timing for r in measured if r.ok],
+                  tokens=sum(r.tokens_between(t0, t1) for r in records),
+                  completed=sum(1 for r in records if r.ok and t0 <= r.end < t1),
+                  errors=sum(1 for r in measured if not r.ok),
+                  settle_s=settle_s, measure_s=measure_s, poll=poller.summary(t0, t1))
+
+
+def point_row(windows: list[Window]) -> dict:
+    """A point's row from its windows: tokens and requests over the summed measured time,
+    latency percentiles over every measured request, each window's tokens/s listed."""
+    timings = [t for w in windows for t in w.timings]
+    measured_s = sum(w.measure_s for w in windows)
+    share: dict[str, float] = {}
+    for w in windows:
+        for k, v in w.poll["mode_share"].items():
+            share[k] = share.get(k, 0.0) + v / len(windows)
+    loads = [w.poll["mean_load_per_replica"] for w in windows if w.poll["mean_load_per_replica"] is not None]
+    switches = [w.poll["switches"] for w in windows]
+    return summarize(timings, measured_s) | {
+        "output_tokens_per_s": round(sum(w.tokens for w in windows) / measured_s, 3),
+        "requests_per_s": round(sum(w.completed for w in windows) / measured_s, 4),
         "mean_output_tokens": round(sum(t.output_tokens for t in timings) / len(timings), 2) if timings else None,
-        "errors": sum(1 for r in measured if not r.ok),
-        "settle_s": settle_s,
-        "measure_s": measure_s,
-    } | poller.summary(t0, t1)
+        "errors": sum(w.errors for w in windows),
+        "settle_s": windows[0].settle_s,
+        "measure_s": windows[0].measure_s,
+        "windows": len(windows),
+        "window_tokens_per_s": [round(w.tokens / w.measure_s, 3) for w in windows],
+        "switches": None if None in switches else sum(switches),
+        "mean_load_per_replica": round(sum(loads) / len(loads), 3) if loads else None,
+        "mode_share": {k: round(v, 3) for k, v in sorted(share.items())},
+    }
+
+
+async def run_point(target: Target, poller: Poller, prompts: list[list[dict]], concurrency: int, settle_s: float,
+                    measure_s: float, max_tokens: int, ignore_eos: bool) -> dict:
+    """One window's row."""
+    return point_row([await measure_window(target, poller, prompts, concurrency, settle_s, measure_s,
+                                           max_tokens, ignore_eos)])
 
 
 # -- the sweep ---------------------------------------------------------------------------
@@ -114,23 +163,32 @@ async def spec_steps_of(target: Target, explicit: int | None) -> tuple[int, dict
     return (explicit if explicit is not None else status["policy"]["tiers"][0]["num_steps"]), status
 
 
+def window_order(policies: list[str], repeats: int) -> list[str]:
+    """The policies' windows at one concurrency: every repeat after the first reverses the order
+    of the one before (spec, off, dynamic, dynamic, off, spec), so a drift of the machine over a
+    point weighs on every policy alike."""
+    return [p for r in range(repeats) for p in (policies if r % 2 == 0 else policies[::-1])]
+
+
 async def sweep(target: Target, args: argparse.Namespace) -> dict:
     spec_steps, status = await spec_steps_of(target, args.spec_steps)
     prompts = prompt_messages(args.prompt_set.split(","))
     rows: list[dict] = []
+    order = window_order(args.policies, args.repeats)
     async with Poller(target) as poller:
         # One-off costs (first forward, tokenizer) before any point.
         await asyncio.gather(*(target.chat(i, prompts[i], 8, True) for i in range(2)))
-        with tqdm(total=len(args.concurrency) * len(args.policies), desc="bench serve", unit="point",
+        with tqdm(total=len(args.concurrency) * len(order), desc="bench serve", unit="window",
                   file=sys.stderr) as bar:
             for c in args.concurrency:
-                for policy in args.policies:  # innermost: the ratios at one concurrency are side by side
+                windows: dict[str, list[Window]] = {p: [] for p in args.policies}
+                for policy in order:  # innermost: the ratios at one concurrency are side by side
                     bar.set_postfix_str(f"c={c} {policy}")
                     await target.apply_policy(policy, spec_steps)
-                    row = await run_point(target, poller, prompts, c, args.settle_s, args.measure_s,
-                                          args.max_tokens, args.ignore_eos)
-                    rows.append({"policy": policy, "concurrency": c} | row)
+                    windows[policy].append(await measure_window(target, poller, prompts, c, args.settle_s,
+                                                                args.measure_s, args.max_tokens, args.ignore_eos))
                     bar.update(1)
+                rows += [{"policy": p, "concurrency": c} | point_row(windows[p]) for p in args.policies]
         await target.put_mode(None)
     return {"meta": meta(args, target, status, spec_steps), "rows": rows, "ratios": ratios(rows)}
 
@@ -149,6 +207,9 @@ def meta(args: argparse.Namespace, target: Target, status: dict, spec_steps: int
         "spec_steps": spec_steps,
         "prompt_set": args.prompt_set,
         "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "settle_s": args.settle_s,
+        "measure_s": args.measure_s,
         "ignore_eos": args.ignore_eos,
         "host": platform.node(),
         "cpus": os.cpu_count(),
