@@ -190,7 +190,8 @@ async def sweep(target: Target, args: argparse.Namespace) -> dict:
                     bar.update(1)
                 rows += [{"policy": p, "concurrency": c} | point_row(windows[p]) for p in args.policies]
         await target.put_mode(None)
-    return {"meta": meta(args, target, status, spec_steps), "rows": rows, "ratios": ratios(rows)}
+    windows_meta = {"repeats": args.repeats, "settle_s": args.settle_s, "measure_s": args.measure_s}
+    return {"meta": meta(args, target, status, spec_steps) | windows_meta, "rows": rows, "ratios": ratios(rows)}
 
 
 def meta(args: argparse.Namespace, target: Target, status: dict, spec_steps: int) -> dict:
@@ -207,9 +208,6 @@ def meta(args: argparse.Namespace, target: Target, status: dict, spec_steps: int
         "spec_steps": spec_steps,
         "prompt_set": args.prompt_set,
         "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-        "settle_s": args.settle_s,
-        "measure_s": args.measure_s,
         "ignore_eos": args.ignore_eos,
         "host": platform.node(),
         "cpus": os.cpu_count(),
