@@ -2,7 +2,7 @@
 
     python -m serve_app.simulate --curves h200-8b-roofline --replicas 64 --trace bursty \\
         --policy spec,off,dynamic --out bench/results/sim_run.json
-    python -m serve_app.simulate validate --curves bench/results/engine_cpu.json \\
+    python -m serve_app.simulate validate --curves bench/results/engine_cpu_eagle_t1.json \\
         --serve bench/results/serve_sweep.json
     python -m serve_app.simulate study          # the runs and plots of docs/simulation.md
 """
