@@ -1,13 +1,21 @@
 """Where the CPU goes during a serving point: per-process CPU seconds over a measured window.
 
-python scripts/cpu_share.py --config configs/local.yaml --prompt-set copy --concurrency 16 --policy off
+python scripts/cpu_share.py --config configs/local.yaml --prompt-set chat --concurrency 16 --policy off \
+    --settle-s 15 --out bench/results/cpu_share_off_c16.json
+
+With ``--policy off`` (one token per streamed chunk) it also prints ``host_ms_per_chunk``: the
+CPU of the per-request path outside the replicas (ingress, HTTP proxy, benchmark client) per
+chunk, the simulator's ``--host-ms-per-chunk``. A lower bound: the replicas' own streaming work
+is inside their CPU, with the engine's.
 """
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 from collections import defaultdict
+from datetime import UTC, datetime
 
 import psutil
 
@@ -29,6 +37,9 @@ def group(p: psutil.Process) -> str:
     return "other: " + name[:60]
 
 
+PER_CHUNK = ("OpenAIIngress", "ProxyActor", "benchmark client")  # work on every streamed chunk
+
+
 def cpu_by_group() -> dict:
     out = defaultdict(float)
     for p in psutil.process_iter():
@@ -47,6 +58,7 @@ def main() -> None:
     ap.add_argument("--policy", default="off")
     ap.add_argument("--settle-s", type=float, default=10)
     ap.add_argument("--measure-s", type=float, default=30)
+    ap.add_argument("--out", default=None, help="also write the result as JSON here")
     args = ap.parse_args()
 
     async def body(target):
@@ -70,9 +82,17 @@ def main() -> None:
         await target.put_mode(None)
         return {"row": {k: row[k] for k in ("output_tokens_per_s", "tpot_p50_ms")}, **result}
 
-    out = run_against_target(args, body)
+    out = {"command": "python scripts/cpu_share.py " + " ".join(sys.argv[1:]),
+           "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count()}
+    out |= run_against_target(args, body)
     out["cpu_s"] = dict(sorted(out["cpu_s"].items(), key=lambda kv: -kv[1]))
+    if args.policy == "off":
+        chunks = out["row"]["output_tokens_per_s"] * out["window_s"]
+        out["host_ms_per_chunk"] = round(1000 * sum(out["cpu_s"].get(g, 0.0) for g in PER_CHUNK) / chunks, 3)
     print(json.dumps(out, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

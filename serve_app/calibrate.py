@@ -51,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
                    help="loads per replica to measure (clients = load x replicas)")
     p.add_argument("--num-steps", type=_ints, default=None,
                    help="num_steps to measure (default: the config's ladder); 0 is always added")
-    p.add_argument("--settle-s", type=float, default=5.0, help="unmeasured seconds per point")
+    p.add_argument("--settle-s", type=float, default=5.0,
+                   help="unmeasured seconds per point, and at least until every client finished a request")
     p.add_argument("--measure-s", type=float, default=20.0, help="measured seconds per point")
     p.add_argument("--out", default="configs/policies/local.yaml", help="the policy file to write")
     p.add_argument("--results", default=None, help="also write the measurements as JSON here")

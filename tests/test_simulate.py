@@ -55,6 +55,34 @@ def test_closed_loop_clients_reproduce_the_measured_curve():
         assert s["output_tokens_per_s"] == pytest.approx(curve.throughput(c, k), rel=0.02)
 
 
+def closed_loop_tokens_per_s(curve, k, clients, replicas=1, **host):
+    policy = PolicyConfig(tiers=[Tier(num_steps=5)])
+    opts = SimOptions(replicas=replicas, policy="spec" if k else "off", spec_steps=5, drain_s=1e6, **host)
+    return Simulation(curve, ClosedLoop(clients, 8 * clients, 64), policy, OPTS, opts).run().summary()["output_tokens_per_s"]
+
+
+def test_a_host_that_costs_nothing_or_has_cores_to_spare_leaves_the_curve_alone():
+    curve = from_bench(BENCH, "chat")
+    alone = closed_loop_tokens_per_s(curve, 0, 8)
+    assert closed_loop_tokens_per_s(curve, 0, 8, host_cores=1, host_s_per_chunk=0.0) == pytest.approx(alone)
+    assert closed_loop_tokens_per_s(curve, 0, 8, host_cores=64, host_s_per_chunk=1e-3) == pytest.approx(alone)
+
+
+def test_a_host_sharing_the_cores_slows_the_engines_by_cores_over_demand():
+    curve = from_bench(BENCH, "chat")
+    h = 2e-3  # CPU seconds per chunk
+    x = curve.throughput(8, 0)  # one replica, 8 clients, k = 0: one chunk per token
+    shared = closed_loop_tokens_per_s(curve, 0, 8, host_cores=1, host_s_per_chunk=h)
+    assert shared == pytest.approx(x / (1 + h * x), rel=0.02)  # demand: 1 core + h·x, all slowed alike
+    # Speculation streams fewer chunks per token, so the same host slows it less.
+    k = 5
+    per_chunk = curve.tokens_per_step(k)
+    assert per_chunk > 1
+    spec = closed_loop_tokens_per_s(curve, k, 8, host_cores=1, host_s_per_chunk=h)
+    xk = curve.throughput(8, k)
+    assert spec == pytest.approx(xk / (1 + h * xk / per_chunk), rel=0.02)
+
+
 def test_the_controller_sees_each_report_only_after_its_delay_and_as_it_was_taken():
     delay = 0.3
     sim = roofline_run("dynamic", report_delay_s=delay, record=True)

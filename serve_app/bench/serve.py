@@ -8,9 +8,11 @@ since the prompts' speed-ups differ widely and a window holds few requests at lo
 ``spec`` pins the ladder's top tier and ``off`` pins num_steps 0 through
 ``PUT /v1/speculation``; ``dynamic`` hands the mode back to the policy (``mode: auto``).
 
-A point runs continuously. Its first ``--settle-s`` seconds are warm-up and are not measured:
-the load reaches c, and under ``dynamic`` the controller has time to reach the tier of that
-load (dwell + min switch interval). Then ``--measure-s`` seconds are measured:
+A point runs continuously. Its first ``--settle-s`` seconds, and at least until every client
+has finished its first request, are warm-up and are not measured: the load reaches c, the
+clients fall out of the step they started in, and under ``dynamic`` the controller has time
+to reach the tier of that load (dwell + min switch interval). Then ``--measure-s`` seconds
+are measured (a row's ``settle_s`` is the longest settle its windows took):
 
 - output tokens/s: tokens delivered in the window (from every request, whenever it started);
 - TTFT / TPOT p50 and p99: requests submitted in the window; the clients keep sending
@@ -30,6 +32,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import platform
 import sys
 import time
@@ -95,17 +98,21 @@ class Window:
 
 async def measure_window(target: Target, poller: Poller, prompts: list[list[dict]], concurrency: int,
                          settle_s: float, measure_s: float, max_tokens: int, ignore_eos: bool) -> Window:
-    """c closed-loop clients: settle, then measure (see the module docstring)."""
-    t0 = time.perf_counter() + settle_s
-    t1 = t0 + measure_s
+    """c closed-loop clients: settle, then measure (see the module docstring). The window opens
+    ``settle_s`` after the start, and never before every client has finished one request: the
+    clients start together, and until their first requests end they run in step (one wave of
+    prefills, then a batch that ends together), which a window must not catch."""
+    start = time.perf_counter()
+    t0 = t1 = math.inf
     records, measured = [], []
-    open_measured = 0
+    open_measured = first_done = 0
     # Requests started in the window take prompts 0, 1, 2, ... at every point, so every policy is
     # measured on the same prompts (their speed-ups differ a lot); warm-up ones take others.
     window_indices, other_indices = itertools.count(), itertools.count(len(prompts) // 2)
 
     async def client() -> None:
-        nonlocal open_measured
+        nonlocal open_measured, first_done, t0, t1
+        first = True
         while time.perf_counter() < t1 or open_measured:
             in_window = t0 <= time.perf_counter() < t1
             i = next(window_indices if in_window else other_indices)
@@ -115,13 +122,18 @@ async def measure_window(target: Target, poller: Poller, prompts: list[list[dict
             records.append(rec)
             if in_window:
                 measured.append(rec)
+            if first:
+                first, first_done = False, first_done + 1
+                if first_done == concurrency:
+                    t0 = max(start + settle_s, time.perf_counter())
+                    t1 = t0 + measure_s
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return Window(timings=[r.timing for r in measured if r.ok],
                   tokens=sum(r.tokens_between(t0, t1) for r in records),
                   completed=sum(1 for r in records if r.ok and t0 <= r.end < t1),
                   errors=sum(1 for r in measured if not r.ok),
-                  settle_s=settle_s, measure_s=measure_s, poll=poller.summary(t0, t1))
+                  settle_s=round(t0 - start, 3), measure_s=measure_s, poll=poller.summary(t0, t1))
 
 
 def point_row(windows: list[Window]) -> dict:
@@ -140,7 +152,7 @@ def point_row(windows: list[Window]) -> dict:
         "requests_per_s": round(sum(w.completed for w in windows) / measured_s, 4),
         "mean_output_tokens": round(sum(t.output_tokens for t in timings) / len(timings), 2) if timings else None,
         "errors": sum(w.errors for w in windows),
-        "settle_s": windows[0].settle_s,
+        "settle_s": round(max(w.settle_s for w in windows), 3),
         "measure_s": windows[0].measure_s,
         "windows": len(windows),
         "window_tokens_per_s": [round(w.tokens / w.measure_s, 3) for w in windows],

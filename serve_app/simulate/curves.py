@@ -42,10 +42,16 @@ class Curve:
     max_running: int = 256
     source: str = ""
     notes: list[str] = field(default_factory=list)
+    accepted: dict[int, float] = field(default_factory=dict)
+    """Mean accepted draft tokens per verify by num_steps, where measured."""
 
     @property
     def steps(self) -> list[int]:
         return sorted(self.points)
+
+    def tokens_per_step(self, k: int) -> float:
+        """Output tokens per request per engine step: 1 plus the accepted drafts (1 where unknown)."""
+        return 1.0 + (self.accepted.get(k, 0.0) if k > 0 else 0.0)
 
     @property
     def spec_steps(self) -> int:
@@ -140,12 +146,18 @@ def from_bench(path: str | Path, prompt_set: str | None = None, max_running: int
         ttft = (r.get("ttft_p50_ms") or 0.0) / 1000
         points.setdefault(r["num_steps"], []).append((r["concurrency"], r["output_tokens_per_s"], ttft))
     out = sum(r["output_tokens"] for r in rows) / sum(r["num_requests"] for r in rows)
+    accepted = {}
+    for k in points:
+        measured = [r["mean_accepted_len"] for r in rows if r["num_steps"] == k and r.get("mean_accepted_len")]
+        if k > 0 and measured:
+            accepted[k] = sum(measured) / len(measured)
     return Curve(
         f"bench:{Path(path).name}:{prompt_set}",
         points,
         out,
         max_running,
         source=f"{path} ({data.get('meta', {}).get('command', '')})",
+        accepted=accepted,
     )
 
 

@@ -48,6 +48,11 @@ class SimOptions:
     record: bool = False
     timeline_s: float | None = None
     initial_steps: int | None = None
+    host_cores: float | None = None
+    """Cores the replicas share with the serving host's work (ingress, HTTP proxy, clients), as
+    on one small machine; None: every replica has a core to itself and the host costs nothing."""
+    host_s_per_chunk: float = 0.0
+    """Host CPU seconds per streamed chunk: one chunk per running request per engine step."""
 
 
 @dataclass
@@ -97,6 +102,7 @@ class Simulation:
         self.rate_lut, self.prefill_lut = curve.tables(self.ks, S)
         self.k_index = np.zeros(max(self.ks) + 1, np.int64)
         self.k_index[self.ks] = np.arange(len(self.ks))
+        self.chunks_per_token = np.array([1.0 / curve.tokens_per_step(k) for k in self.ks])
 
         if opts.policy in ("spec", "off"):
             self.control = StaticControl(n, spec if opts.policy == "spec" else 0)
@@ -293,6 +299,8 @@ class Simulation:
 
     def _decode(self, t: float, dt: float, kidx: np.ndarray) -> None:
         rate = self.rate_lut[kidx, self.running]
+        if self.opts.host_cores:
+            rate = rate * self._host_share(rate, kidx)
         gain = rate * dt
         V0 = self.V
         V1 = V0 + gain
@@ -317,6 +325,15 @@ class Simulation:
             if isinstance(self.workload, ClosedLoop):
                 self._reissue(ids, finish)
         self.V = V1
+
+    def _host_share(self, rate: np.ndarray, kidx: np.ndarray) -> float:
+        """The share of full speed the machine's cores allow: each busy replica's engine wants a
+        core, the host ``host_s_per_chunk`` per chunk it streams; past ``host_cores`` every one
+        of them slows alike (both demands scale with speed, so the share is cores / demand)."""
+        engines = float(np.count_nonzero(self.running))
+        chunks_per_s = float((rate * self.decoding * self.chunks_per_token[kidx]).sum())
+        demand = engines + self.opts.host_s_per_chunk * chunks_per_s
+        return min(1.0, self.opts.host_cores / demand) if demand > 0 else 1.0
 
     def _reissue(self, done: np.ndarray, finish: np.ndarray) -> None:
         left = self.workload.total - self._issued

@@ -7,6 +7,10 @@ the engine's slots) on curves from this machine's engine benchmark, and compares
 tokens/s point by point. Requests per point: the row's ``num_requests``, else the sweep's
 ``meta.requests_per_point``, else max(2 × concurrency, 8) like the engine benchmark. Output
 tokens per request: the row's mean, else the curve's.
+
+With ``--host-cores`` the replicas share that many cores with the host's work, which costs
+``--host-ms-per-chunk`` of CPU per streamed chunk (see ``SimOptions.host_cores``): on one small
+machine the ingress, the HTTP proxy and the clients run beside the engines.
 """
 
 from __future__ import annotations
@@ -32,13 +36,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-set", default=None, help="engine bench prompt set (default: the sweep's, else the first)")
     p.add_argument("--replicas", type=int, default=None, help="default: the sweep's meta, else 2")
     p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: the top tier)")
+    p.add_argument("--host-cores", type=float, default=None,
+                   help="cores the replicas share with the host's work (the machine's; default: none shared)")
+    p.add_argument("--host-ms-per-chunk", type=float, default=0.0,
+                   help="host CPU ms per streamed chunk, measured with scripts/cpu_share.py")
     p.add_argument("--tolerance", type=float, default=0.15)
     p.add_argument("--dt", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/sim_validate.json")
 
 
-def simulate_sweep(curve, rows, policy, options, replicas, spec_steps, requests_per_point=None, dt=0.02, seed=0):
+def simulate_sweep(curve, rows, policy, options, replicas, spec_steps, requests_per_point=None, dt=0.02, seed=0,
+                   host_cores=None, host_s_per_chunk=0.0):
     """One simulated closed-loop point per row (each from a fresh cluster; dynamic starts in the
     tier the previous, lower concurrency called for, as the benchmark's controller would)."""
     out = []
@@ -62,6 +71,8 @@ def simulate_sweep(curve, rows, policy, options, replicas, spec_steps, requests_
             max_running=curve.max_running,
             drain_s=1e6,
             initial_steps=initial,
+            host_cores=host_cores,
+            host_s_per_chunk=host_s_per_chunk,
         )
         sim = Simulation(curve, ClosedLoop(c, int(total), int(round(tokens))), policy, options, opts).run()
         s = sim.summary()
@@ -90,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     spec = args.spec_steps if args.spec_steps is not None else policy.tiers[0].num_steps
     rows = sorted(serve["rows"], key=lambda r: (r["policy"], r["concurrency"]))
     points = simulate_sweep(
-        curve, rows, policy, options, replicas, spec, meta.get("requests_per_point"), args.dt, args.seed
+        curve, rows, policy, options, replicas, spec, meta.get("requests_per_point"), args.dt, args.seed,
+        args.host_cores, args.host_ms_per_chunk / 1000,
     )
     print(f"{'policy':10s} {'conc':>5s} {'measured':>10s} {'simulated':>10s} {'error':>8s}")
     for p in points:
@@ -115,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
             "spec_steps": spec,
             "prompt_set": curve.name.rsplit(":", 1)[-1],
             "tolerance": args.tolerance,
+            "host_cores": args.host_cores,
+            "host_ms_per_chunk": args.host_ms_per_chunk,
             "worst_error": worst,
             "within_tolerance": within,
             "points_compared": len(errors),
