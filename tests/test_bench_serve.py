@@ -165,3 +165,20 @@ def test_a_request_s_tokens_are_spread_over_its_chunks_for_windowed_throughput()
     r = Record(0.0, 0, output_tokens=8, chunk_times=[1.0, 2.0, 3.0, 4.0])
     assert r.tokens_between(0, 10) == 8 and r.tokens_between(1.5, 3.5) == 4 and r.tokens_between(5, 6) == 0
     assert Record(0.0, 0, output_tokens=8, chunk_times=[1.0], error="cut").tokens_between(0, 10) == 0
+
+
+def test_report_explains_a_short_point_by_what_dynamic_ran():
+    from serve_app.bench.report import why_short
+
+    def rows(spec, off, dyn, dyn_mode, switches=0):
+        return [{"policy": "spec", "concurrency": 16, "output_tokens_per_s": spec, "mode_share": {"3": 1.0}},
+                {"policy": "off", "concurrency": 16, "output_tokens_per_s": off, "mode_share": {"0": 1.0}},
+                {"policy": "dynamic", "concurrency": 16, "output_tokens_per_s": dyn, "mode_share": {dyn_mode: 1.0},
+                 "switches": switches, "mean_load_per_replica": 8.0}]
+
+    # off's mode, with off itself within 0.95 of spec: the shortfall is spread, not the ladder
+    assert "run-to-run spread" in why_short(rows(265.3, 262.6, 246.6, "0"), 16, "spec")
+    # off's mode where off is far behind spec: the ladder's boundary is wrong for this load
+    assert "boundary is off" in why_short(rows(300.0, 200.0, 205.0, "0"), 16, "spec")
+    assert "same mode as the best static" in why_short(rows(300.0, 200.0, 280.0, "3"), 16, "spec")
+    assert "switched 2x" in why_short(rows(300.0, 200.0, 250.0, "3", switches=2), 16, "spec")

@@ -54,6 +54,14 @@ def why_short(rows: list[dict], c: int, best: str) -> str:
     if dyn["switches"]:
         return f"dynamic switched {dyn['switches']}x in the window; {share:.0%} of it at num_steps {want} ({best}'s mode)"
     if share < 0.9:
+        ran = max(dyn["mode_share"], key=dyn["mode_share"].get) if dyn["mode_share"] else "?"
+        twin = next((r for r in rows if r["concurrency"] == c and r["policy"] in ("spec", "off")
+                     and r["policy"] != best and r["mode_share"].get(ran, 0.0) >= 0.9), None)
+        if twin and twin["output_tokens_per_s"] >= SWEEP_RATIO_TARGET * static["output_tokens_per_s"]:
+            return (f"dynamic ran {twin['policy']}'s mode (num_steps {ran}), itself "
+                    f"{twin['output_tokens_per_s'] / static['output_tokens_per_s']:.2f} of {best} here; dynamic "
+                    f"measured {dyn['output_tokens_per_s'] / twin['output_tokens_per_s']:.2f} of {twin['policy']} "
+                    "in the same mode: run-to-run spread")
         return (f"dynamic ran num_steps {dyn['mode_share']} at load {_f(dyn['mean_load_per_replica'])}/replica, "
                 f"{best} (num_steps {want}) was faster here: the ladder's boundary is off for this load")
     return "same mode as the best static policy the whole window: run-to-run noise"
