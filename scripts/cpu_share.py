@@ -6,7 +6,9 @@ python scripts/cpu_share.py --config configs/local.yaml --prompt-set chat --conc
 With ``--policy off`` (one token per streamed chunk) it also prints ``host_ms_per_chunk``: the
 CPU of the per-request path outside the replicas (ingress, HTTP proxy, benchmark client) per
 chunk, the simulator's ``--host-ms-per-chunk``. A lower bound: the replicas' own streaming work
-is inside their CPU, with the engine's.
+is inside their CPU, with the engine's. The CPU is sampled from ``--settle-s`` on, while the
+served window opens no sooner than every client's first request has ended: give a settle longer
+than one request at that load so the two windows coincide.
 """
 import argparse
 import json
