@@ -6,9 +6,9 @@ on this project's 2-core AMD machine (one thread, the 30 gate/up projections of 
 1 row took 11.0 ms and 4 rows 17.4 ms through ``F.linear``, against 5.2 and 6.1 ms with the
 weight reordered once for oneDNN. The reorder is laid out for 16 rows: one laid out for a
 single row is slower at every row count (6.9 ms for 1 row, 11.5 for 4), layouts for 4 to 64
-rows are alike. A verify of k + 1 positions then costs about what one
-position does, as speculation on a memory-bound model assumes. Elsewhere (CUDA, other
-dtypes, a build without oneDNN) it is ``F.linear``.
+rows are alike. A verify of k + 1 positions then costs about what one position does, as
+speculation on a memory-bound model assumes. Elsewhere (CUDA, other dtypes, a build without
+oneDNN) it is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class Linear:
 class _LinearModule(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.linear = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
