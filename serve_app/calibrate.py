@@ -7,7 +7,9 @@ It sweeps the deployed application (the same stack and replica count that will s
 the loads are the controller's own unit: waiting + running per replica): for each load per
 replica L and each num_steps k (the config's ladder, 0 included), ``bench serve``'s closed
 loop runs L x replicas clients with k pinned through the operator API. Points at one load
-run back to back for every k, so their ratios see the same machine conditions.
+run back to back for every k, so their ratios see the same machine conditions; with
+``--repeats N`` each k runs N windows at a load in mirrored order (k=3, k=0, k=0, k=3, ...),
+pooled as ``bench serve`` pools them, so a drift over a load weighs on every k alike.
 
 From the tokens/s table it builds the ladder: walking up the loads, a tier ends where a
 tier with fewer steps starts to win; the boundary is the crossover, interpolated linearly
@@ -28,7 +30,7 @@ import yaml
 from tqdm import tqdm
 
 from serve_app.bench.client import Poller, Target, add_target_arguments, prompt_messages, run_against_target
-from serve_app.bench.serve import run_point
+from serve_app.bench.serve import measure_window, point_row, window_order
 from serve_app.config import PolicyConfig
 
 
@@ -53,7 +55,9 @@ def parser() -> argparse.ArgumentParser:
                    help="num_steps to measure (default: the config's ladder); 0 is always added")
     p.add_argument("--settle-s", type=float, default=5.0,
                    help="unmeasured seconds per point, and at least until every client finished a request")
-    p.add_argument("--measure-s", type=float, default=20.0, help="measured seconds per point")
+    p.add_argument("--measure-s", type=float, default=20.0, help="measured seconds per window")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="windows per num_steps and load, in mirrored order, pooled (default 1)")
     p.add_argument("--out", default="configs/policies/local.yaml", help="the policy file to write")
     p.add_argument("--results", default=None, help="also write the measurements as JSON here")
     return p
@@ -116,17 +120,20 @@ async def measure(target: Target, args: argparse.Namespace) -> dict:
     steps = sorted({*(args.num_steps or [t.num_steps for t in policy.tiers]), 0}, reverse=True)
     prompts = prompt_messages(args.prompt_set.split(","))
     rows = []
+    order = window_order(steps, args.repeats)
     async with Poller(target) as poller:
-        with tqdm(total=len(args.loads) * len(steps), desc="calibrate", unit="point", file=sys.stderr) as bar:
+        with tqdm(total=len(args.loads) * len(order), desc="calibrate", unit="window", file=sys.stderr) as bar:
             for load in args.loads:
                 clients = max(1, round(load * replicas))
-                for k in steps:
+                windows: dict[int, list] = {k: [] for k in steps}
+                for k in order:
                     bar.set_postfix_str(f"load {load:g} k={k}")
                     await target.apply_policy("spec" if k else "off", k)
-                    row = await run_point(target, poller, prompts, clients, args.settle_s, args.measure_s,
-                                          args.max_tokens, args.ignore_eos)
-                    rows.append({"num_steps": k, "load_per_replica": load, "concurrency": clients} | row)
+                    windows[k].append(await measure_window(target, poller, prompts, clients, args.settle_s,
+                                                           args.measure_s, args.max_tokens, args.ignore_eos))
                     bar.update(1)
+                rows += [{"num_steps": k, "load_per_replica": load, "concurrency": clients} | point_row(windows[k])
+                         for k in steps]
     await target.put_mode(None)
     return {"model": target.model, "replicas": replicas, "policy": policy.model_dump(), "rows": rows}
 
@@ -143,6 +150,8 @@ def calibrate(measured: dict, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.repeats < 1:
+        parser().error("--repeats must be at least 1")
     t0 = time.monotonic()
     measured = run_against_target(args, lambda target: measure(target, args))
     result = calibrate(measured, args) | {"measurements": measured}

@@ -46,7 +46,7 @@ def test_calibrate_sweeps_the_deployed_app_and_writes_a_policy_file_configs_incl
     tiny_app.reset()
     policy_file, results = tmp_path / "policy.yaml", tmp_path / "calibration.json"
     assert main(["--url", tiny_app.prefix, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN", "--loads", "0.5,2",
-                 "--settle-s", "0.3", "--measure-s", "1", "--max-tokens", "8", "--ignore-eos",
+                 "--settle-s", "0.3", "--measure-s", "1", "--max-tokens", "8", "--ignore-eos", "--repeats", "2",
                  "--out", str(policy_file), "--results", str(results)]) == 0
     tiny_app.reset()
 
@@ -58,6 +58,7 @@ def test_calibrate_sweeps_the_deployed_app_and_writes_a_policy_file_configs_incl
     assert args.policy.model_dump() == written
     measured = yaml.safe_load(results.read_text())["measurements"]  # JSON is YAML
     assert {(r["num_steps"], r["concurrency"]) for r in measured["rows"]} == {(4, 1), (0, 1), (4, 4), (0, 4)}
+    assert all(r["windows"] == 2 and len(r["window_tokens_per_s"]) == 2 for r in measured["rows"])
 
 
 def test_local_config_takes_its_ladder_from_the_calibrated_policy_file():
