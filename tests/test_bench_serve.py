@@ -182,3 +182,9 @@ def test_report_explains_a_short_point_by_what_dynamic_ran():
     assert "boundary is off" in why_short(rows(300.0, 200.0, 205.0, "0"), 16, "spec")
     assert "same mode as the best static" in why_short(rows(300.0, 200.0, 280.0, "3"), 16, "spec")
     assert "switched 2x" in why_short(rows(300.0, 200.0, 250.0, "3", switches=2), 16, "spec")
+    # where the calibration measured the ladder's mode ahead at that load, the report says so
+    calibration = {"measurements": {"rows": [{"num_steps": 3, "load_per_replica": 8.0, "output_tokens_per_s": 278.0},
+                                             {"num_steps": 0, "load_per_replica": 8.0, "output_tokens_per_s": 293.0}]}}
+    why = why_short(rows(300.0, 200.0, 205.0, "0"), 16, "spec", calibration)
+    assert "the calibration measured num_steps 0 at 1.05x num_steps 3 at load 8" in why
+    assert why_short(rows(300.0, 200.0, 205.0, "0"), 16, "spec", {"measurements": {"rows": []}}).endswith("this load")

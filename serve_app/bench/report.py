@@ -22,6 +22,8 @@ LOW_TPOT_TOLERANCE = 1.10  # dynamic's low-load TPOT p50 / spec's
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", default="bench/results/serve_sweep.json", help="bench serve result")
     p.add_argument("--trace", default="bench/results/serve_trace.json", help="bench trace result")
+    p.add_argument("--calibration", default="bench/results/calibration.json",
+                   help="calibrate --results JSON: cited where dynamic ran the ladder's mode and fell short")
     p.add_argument("--out-dir", default="bench/results", help="where report.md and the PNGs go")
 
 
@@ -29,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parts = ["# specserve serving benchmarks", ""]
-    for path, section in ((args.sweep, sweep_section), (args.trace, trace_section)):
+    calibration = json.loads(Path(args.calibration).read_text()) if Path(args.calibration).is_file() else None
+    for path, section in ((args.sweep, lambda r, o: sweep_section(r, o, calibration)), (args.trace, trace_section)):
         if Path(path).is_file():
             parts += section(json.loads(Path(path).read_text()), out)
         else:
@@ -45,8 +48,24 @@ def _f(v, spec: str = ".1f") -> str:
 
 
 # -- the sweep ---------------------------------------------------------------------------
-def why_short(rows: list[dict], c: int, best: str) -> str:
-    """A reason for a dynamic point under target, from what the controller did in the window."""
+def calibration_note(calibration: dict | None, load: float | None, ran: str, want: str) -> str:
+    """What the calibration measured for the two modes at the calibrated load nearest ``load``
+    (within half a request per replica), or ''."""
+    if not calibration or load is None:
+        return ""
+    at = {(str(r["num_steps"]), float(r["load_per_replica"])): r["output_tokens_per_s"]
+          for r in calibration.get("measurements", {}).get("rows", [])}
+    loads = sorted({load_ for _, load_ in at})
+    near = min(loads, key=lambda x: abs(x - load), default=None)
+    if near is None or abs(near - load) > 0.5 or not at.get((ran, near)) or not at.get((want, near)):
+        return ""
+    return (f"; the calibration measured num_steps {ran} at {at[ran, near] / at[want, near]:.2f}x num_steps {want} "
+            f"at load {near:g}, which is why the ladder runs {ran} there: the two runs disagree on the faster mode")
+
+
+def why_short(rows: list[dict], c: int, best: str, calibration: dict | None = None) -> str:
+    """A reason for a dynamic point under target, from what the controller did in the window
+    (and, where dynamic ran the ladder's mode, what the calibration measured at that load)."""
     dyn = next(r for r in rows if r["policy"] == "dynamic" and r["concurrency"] == c)
     static = next(r for r in rows if r["policy"] == best and r["concurrency"] == c)
     want = max(static["mode_share"], key=static["mode_share"].get) if static["mode_share"] else "?"
@@ -63,11 +82,12 @@ def why_short(rows: list[dict], c: int, best: str) -> str:
                     f"measured {dyn['output_tokens_per_s'] / twin['output_tokens_per_s']:.2f} of {twin['policy']} "
                     "in the same mode: run-to-run spread")
         return (f"dynamic ran num_steps {dyn['mode_share']} at load {_f(dyn['mean_load_per_replica'])}/replica, "
-                f"{best} (num_steps {want}) was faster here: the ladder's boundary is off for this load")
+                f"{best} (num_steps {want}) was faster here: the ladder's boundary is off for this load"
+                + calibration_note(calibration, dyn["mean_load_per_replica"], ran, want))
     return "same mode as the best static policy the whole window: run-to-run noise"
 
 
-def sweep_section(result: dict, out: Path) -> list[str]:
+def sweep_section(result: dict, out: Path, calibration: dict | None = None) -> list[str]:
     rows, m = result["rows"], result["meta"]
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     at = {(r["policy"], r["concurrency"]): r for r in rows}
@@ -85,7 +105,7 @@ def sweep_section(result: dict, out: Path) -> list[str]:
         ok = x is not None and x["dynamic_over_best_static"] >= SWEEP_RATIO_TARGET
         if x is not None and not ok:
             short.append(f"- c={c}: {x['dynamic_over_best_static']:.2f} of {x['best_static']}: "
-                         f"{why_short(rows, c, x['best_static'])}")
+                         f"{why_short(rows, c, x['best_static'], calibration)}")
         cells = " | ".join(_f(at[p, c]["output_tokens_per_s"]) if (p, c) in at else "–" for p in policies)
         ratio = f"{x['dynamic_over_best_static']:.2f} ({x['best_static']})" if x else "–"
         lines.append(f"| {c} | {cells} | {ratio} | {'yes' if ok else 'no' if x else '–'} |")
