@@ -66,6 +66,15 @@ def _emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue):
     return emit
 
 
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` in the OS too (top -H, /proc, py-spy), where it can."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
 class EmbeddedEngine:
     """A compact batched engine with lookup-drafted speculative decoding."""
 
@@ -184,6 +193,7 @@ class EmbeddedEngine:
 
     # -- the step thread --------------------------------------------------------------
     def _loop(self) -> None:
+        _name_os_thread("specserve-step")
         core = self.core
         while not self._stopping:
             self._drain()
