@@ -53,6 +53,26 @@ def cpu_by_group() -> dict:
     return out
 
 
+def replica_threads() -> dict:
+    """CPU seconds per thread name inside the replica processes (the step thread is
+    ``specserve-engine``), summed over replicas."""
+    out = defaultdict(float)
+    for p in psutil.process_iter():
+        if group(p) != "LLMReplica":
+            continue
+        try:
+            for t in p.threads():
+                try:
+                    with open(f"/proc/{p.pid}/task/{t.id}/comm") as f:
+                        name = f.read().strip()
+                except OSError:
+                    name = "?"
+                out[name] += t.user_time + t.system_time
+        except psutil.Error:
+            pass
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_target_arguments(ap)
@@ -70,11 +90,14 @@ def main() -> None:
 
         def sample():
             time.sleep(args.settle_s)
-            a, t0 = cpu_by_group(), time.monotonic()
+            a, ta, t0 = cpu_by_group(), replica_threads(), time.monotonic()
             time.sleep(args.measure_s)
-            b, t1 = cpu_by_group(), time.monotonic()
+            b, tb, t1 = cpu_by_group(), replica_threads(), time.monotonic()
             result["window_s"] = round(t1 - t0, 1)
             result["cpu_s"] = {k: round(b[k] - a.get(k, 0.0), 1) for k in b if b[k] - a.get(k, 0.0) > 0.05}
+            result["replica_thread_cpu_s"] = dict(sorted(
+                ((k, round(tb[k] - ta.get(k, 0.0), 2)) for k in tb if tb[k] - ta.get(k, 0.0) > 0.05),
+                key=lambda kv: -kv[1]))
 
         th = threading.Thread(target=sample)
         th.start()
