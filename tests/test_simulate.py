@@ -13,6 +13,7 @@ from serve_app.simulate.__main__ import curve_policy, main
 from serve_app.simulate.curves import from_bench, load_curve, mean_accepted
 from serve_app.simulate.sim import ClosedLoop, SimOptions, Simulation
 from serve_app.simulate.traces import Trace, bursty
+from serve_app.simulate.validate import stack_efficiency
 
 BENCH = Path(__file__).parent / "data" / "engine_bench_sample.json"
 ROOF = load_curve("h200-8b-roofline")
@@ -81,6 +82,36 @@ def test_a_host_sharing_the_cores_slows_the_engines_by_cores_over_demand():
     spec = closed_loop_tokens_per_s(curve, k, 8, host_cores=1, host_s_per_chunk=h)
     xk = curve.throughput(8, k)
     assert spec == pytest.approx(xk / (1 + h * xk / per_chunk), rel=0.02)
+
+
+def test_the_stack_efficiency_scales_an_engine_by_its_mode_and_the_replicas_busy_at_once():
+    curve = from_bench(BENCH, "chat")
+    for k in (0, 5):
+        alone = closed_loop_tokens_per_s(curve, k, 8)
+        half = closed_loop_tokens_per_s(curve, k, 8, stack_efficiency={k: (0.5,)})
+        assert half == pytest.approx(alone / 2, rel=0.01)  # decode and prefill both at half speed
+    # Two replicas: one client keeps one busy (e1), two clients keep both busy (e2); a k not
+    # listed takes the nearest listed one.
+    eff = {0: (0.9, 0.6), 3: (1.0, 1.0)}
+    one = closed_loop_tokens_per_s(curve, 0, 1, replicas=2, stack_efficiency=eff)
+    assert one == pytest.approx(0.9 * curve.throughput(1, 0), rel=0.02)
+    two = closed_loop_tokens_per_s(curve, 0, 2, replicas=2, stack_efficiency=eff)
+    assert two == pytest.approx(2 * 0.6 * curve.throughput(1, 0), rel=0.02)
+    assert closed_loop_tokens_per_s(curve, 5, 2, replicas=2, stack_efficiency={0: (0.5, 0.5)}) == pytest.approx(
+        2 * 0.5 * curve.throughput(1, 5), rel=0.02)
+
+
+def test_validate_measures_the_stack_efficiency_at_one_request_per_busy_replica():
+    curve = from_bench(BENCH, "chat")
+    x0, x5 = curve.throughput(1, 0), curve.throughput(1, 5)
+    rows = [{"policy": "off", "concurrency": 1, "output_tokens_per_s": 0.9 * x0},
+            {"policy": "off", "concurrency": 2, "output_tokens_per_s": 2 * 0.6 * x0},
+            {"policy": "spec", "concurrency": 1, "output_tokens_per_s": 0.8 * x5},
+            {"policy": "dynamic", "concurrency": 2, "output_tokens_per_s": 1.0},
+            {"policy": "off", "concurrency": 8, "output_tokens_per_s": 1.0}]
+    assert stack_efficiency(rows, curve, 2, 5) == {0: (0.9, 0.6), 5: (0.8, 0.8)}
+    with pytest.raises(ValueError, match="no spec or off rows"):
+        stack_efficiency(rows[3:], curve, 2, 5)
 
 
 def test_the_controller_sees_each_report_only_after_its_delay_and_as_it_was_taken():

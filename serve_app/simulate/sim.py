@@ -53,6 +53,13 @@ class SimOptions:
     on one small machine; None: every replica has a core to itself and the host costs nothing."""
     host_s_per_chunk: float = 0.0
     """Host CPU seconds per streamed chunk: one chunk per running request per engine step."""
+    stack_efficiency: dict[int, tuple[float, ...]] | None = None
+    """The share of the curve's speed (decode rate and prefill) an engine reaches inside the
+    serving stack, by num_steps and by how many replicas are busy at once: ``{k: (e1, e2,
+    ...)}``, entry i for i + 1 busy replicas, the last entry for more; a k not listed takes the
+    nearest listed one. Measured, not derived (``validate --stack-efficiency-from``): on one
+    small machine the replica's step thread waits on the GIL and on the cores behind the
+    stack's other threads (docs/simulation.md). None: the curve's speed."""
 
 
 @dataclass
@@ -103,6 +110,7 @@ class Simulation:
         self.k_index = np.zeros(max(self.ks) + 1, np.int64)
         self.k_index[self.ks] = np.arange(len(self.ks))
         self.chunks_per_token = np.array([1.0 / curve.tokens_per_step(k) for k in self.ks])
+        self.eff_lut = self._efficiency_table(opts.stack_efficiency, opts.replicas)
 
         if opts.policy in ("spec", "off"):
             self.control = StaticControl(n, spec if opts.policy == "spec" else 0)
@@ -274,7 +282,8 @@ class Simulation:
         kidx = self.k_index[self.control.steps[slot_rows]]
         self.slot_req[slot_rows, cols] = ids
         batch = np.repeat(self.running[rows] + k, k)  # prefill at the batch it joins
-        self.pre_end[slot_rows, cols] = ends = t + self.prefill_lut[kidx, batch]
+        busy = np.count_nonzero(self.running) + np.count_nonzero(self.running[rows] == 0)
+        self.pre_end[slot_rows, cols] = ends = t + self.prefill_lut[kidx, batch] / self.eff_lut[kidx, busy]
         np.minimum.at(self.min_pre, slot_rows, ends)
         self.req.admit[ids] = t
         self.head[rows] += k
@@ -299,6 +308,8 @@ class Simulation:
 
     def _decode(self, t: float, dt: float, kidx: np.ndarray) -> None:
         rate = self.rate_lut[kidx, self.running]
+        if self.opts.stack_efficiency:
+            rate = rate * self.eff_lut[kidx, np.count_nonzero(self.running)]
         if self.opts.host_cores:
             rate = rate * self._host_share(rate, kidx)
         gain = rate * dt
@@ -325,6 +336,23 @@ class Simulation:
             if isinstance(self.workload, ClosedLoop):
                 self._reissue(ids, finish)
         self.V = V1
+
+    def _efficiency_table(self, eff: dict[int, tuple[float, ...]] | None, replicas: int) -> np.ndarray:
+        """``stack_efficiency`` as [k index, busy replicas] (1 everywhere without it)."""
+        table = np.ones((len(self.ks), replicas + 1))
+        if not eff:
+            return table
+        listed = sorted(eff)
+        for i, k in enumerate(self.ks):
+            near = min(listed, key=lambda m: (abs(m - k), m))
+            row = eff[near]
+            table[i, 1:] = [row[min(b, len(row)) - 1] for b in range(1, replicas + 1)]
+        return table
+
+    def tokens_between(self, t0: float, t1: float) -> float:
+        """Output tokens decoded in [t0, t1) (needs ``timeline_s`` no coarser than the window)."""
+        bucket = self.opts.timeline_s or 0.0
+        return sum(tok * bucket for end, _, _, tok in self.timeline if t0 < end - bucket / 2 < t1)
 
     def _host_share(self, rate: np.ndarray, kidx: np.ndarray) -> float:
         """The share of full speed the machine's cores allow: each busy replica's engine wants a

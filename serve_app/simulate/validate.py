@@ -4,13 +4,22 @@ The serving benchmark (``python -m serve_app.bench serve``) runs closed-loop cli
 the local deployment (2 replicas) for each policy and concurrency. This simulates the same
 sweep (same replicas, concurrencies, policies, the config's policy and controller options,
 the engine's slots) on curves from this machine's engine benchmark, and compares output
-tokens/s point by point. Requests per point: the row's ``num_requests``, else the sweep's
-``meta.requests_per_point``, else max(2 × concurrency, 8) like the engine benchmark. Output
-tokens per request: the row's mean, else the curve's.
+tokens/s point by point.
+
+Each point is simulated as the benchmark measures one window: c clients start together on a
+fresh cluster and keep sending; the window opens ``settle_s`` after the start (the sweep's
+meta), and never before every client has finished its first request; it lasts the row's
+``measure_s`` (default 30 s), and its output tokens/s is compared. Output tokens per request:
+the row's mean, else the curve's.
 
 With ``--host-cores`` the replicas share that many cores with the host's work, which costs
 ``--host-ms-per-chunk`` of CPU per streamed chunk (see ``SimOptions.host_cores``): on one small
 machine the ingress, the HTTP proxy and the clients run beside the engines.
+
+With ``--stack-efficiency-from FILE`` (a ``bench serve`` JSON with ``spec`` and ``off`` rows at
+concurrency 1 .. replicas, run apart from the sweep) an engine runs at the share of the curve's
+speed that the stack measured there at one request per busy replica: for num_steps k and c
+busy replicas, X_stack(c) / (c · X_curve(1, k)) (``SimOptions.stack_efficiency``).
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+import numpy as np
 
 from serve_app.config import ControllerOptions
 from serve_app.policy import raw_tier
@@ -27,6 +38,27 @@ from .curves import from_bench
 from .sim import ClosedLoop, SimOptions, Simulation
 
 ALIASES = {"auto": "dynamic", "static-spec": "spec", "static-off": "off"}
+
+
+def stack_efficiency(rows: list[dict], curve, replicas: int, spec_steps: int) -> dict[int, tuple[float, ...]]:
+    """{num_steps: (e1, e2, ...)} from ``bench serve`` rows at one request per busy replica:
+    e_c = tokens/s at concurrency c / (c x the curve's tokens/s of one request), c = 1 .. replicas
+    (a concurrency not measured takes the one below it)."""
+    out: dict[int, tuple[float, ...]] = {}
+    for policy, k in (("off", 0), ("spec", spec_steps)):
+        by_c = {int(r["concurrency"]): r["output_tokens_per_s"] for r in rows
+                if ALIASES.get(r["policy"], r["policy"]) == policy and 1 <= int(r["concurrency"]) <= replicas}
+        if 1 not in by_c:
+            continue
+        values, last = [], None
+        for c in range(1, replicas + 1):
+            if c in by_c:
+                last = by_c[c] / (c * curve.throughput(1, k))
+            values.append(round(last, 4))
+        out[k] = tuple(values)
+    if not out:
+        raise ValueError(f"no spec or off rows at concurrency 1 .. {replicas} to measure the stack's efficiency on")
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,23 +72,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cores the replicas share with the host's work (the machine's; default: none shared)")
     p.add_argument("--host-ms-per-chunk", type=float, default=0.0,
                    help="host CPU ms per streamed chunk, measured with scripts/cpu_share.py")
+    p.add_argument("--stack-efficiency-from", default=None, metavar="FILE",
+                   help="a bench serve JSON with spec/off rows at concurrency 1 .. replicas, run apart from the sweep: "
+                        "engines run at the share of the curve's speed measured there (default: the curve's speed)")
     p.add_argument("--tolerance", type=float, default=0.15)
     p.add_argument("--dt", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/sim_validate.json")
 
 
-def simulate_sweep(curve, rows, policy, options, replicas, spec_steps, requests_per_point=None, dt=0.02, seed=0,
-                   host_cores=None, host_s_per_chunk=0.0):
-    """One simulated closed-loop point per row (each from a fresh cluster; dynamic starts in the
-    tier the previous, lower concurrency called for, as the benchmark's controller would)."""
+def simulate_window(curve, policy, options, opts: SimOptions, clients: int, tokens: int, settle_s: float,
+                    measure_s: float) -> tuple[float, dict]:
+    """(output tokens/s in the benchmark's window, the run's summary) of ``clients`` closed-loop
+    clients from a cold start: the window opens at ``settle_s``, and never before every client
+    has finished its first request, and lasts ``measure_s``."""
+    per_replica = max(clients / opts.replicas, 1.0)
+    slowest = min(curve.throughput(per_replica, k) for k in curve.steps) / per_replica  # tokens/s a request
+    slack = min((v for vs in (opts.stack_efficiency or {0: (1.0,)}).values() for v in vs), default=1.0)
+    slack *= 0.5 if opts.host_cores else 1.0
+    rounds = int((settle_s + 2 * measure_s) * slowest * slack / max(tokens, 1)) + 4
+    for _ in range(6):
+        o = SimOptions(**{**opts.__dict__, "timeline_s": opts.dt_s, "drain_s": 1e6})
+        sim = Simulation(curve, ClosedLoop(clients, clients * rounds, tokens), policy, options, o).run()
+        first_wave = float(sim.req.finish[:clients].max())
+        t0 = max(settle_s, first_wave)
+        t1 = t0 + measure_s
+        if float(sim.req.arrival[np.isfinite(sim.req.arrival)].max()) >= t1:  # still loaded at the end
+            return sim.tokens_between(t0, t1) / measure_s, sim.summary()
+        rounds *= 2
+    raise RuntimeError(f"could not keep {clients} clients busy past the window ({rounds} rounds)")
+
+
+def simulate_sweep(curve, rows, policy, options, replicas, spec_steps, dt=0.02, seed=0, host_cores=None,
+                   host_s_per_chunk=0.0, settle_s=0.0, stack_efficiency=None):
+    """One simulated window per row (each from a fresh cluster; dynamic starts in the tier the
+    previous, lower concurrency called for, as the benchmark's controller would)."""
     out = []
     for row in rows:
         name = ALIASES.get(row["policy"], row["policy"])
         c = int(row["concurrency"])
-        total = row.get("num_requests") or requests_per_point or max(2 * c, 8)
-        tokens = (
-            row.get("output_tokens") / row["num_requests"]
+        tokens = row.get("mean_output_tokens") or (
+            row["output_tokens"] / row["num_requests"]
             if row.get("output_tokens") and row.get("num_requests")
             else curve.output_tokens
         )
@@ -69,22 +125,22 @@ def simulate_sweep(curve, rows, policy, options, replicas, spec_steps, requests_
             dt_s=dt,
             seed=seed,
             max_running=curve.max_running,
-            drain_s=1e6,
             initial_steps=initial,
             host_cores=host_cores,
             host_s_per_chunk=host_s_per_chunk,
+            stack_efficiency=stack_efficiency,
         )
-        sim = Simulation(curve, ClosedLoop(c, int(total), int(round(tokens))), policy, options, opts).run()
-        s = sim.summary()
-        err = s["output_tokens_per_s"] / row["output_tokens_per_s"] - 1 if row["output_tokens_per_s"] else None
+        x, s = simulate_window(curve, policy, options, opts, c, int(round(tokens)), settle_s,
+                               float(row.get("measure_s") or 30.0))
+        err = float(x) / row["output_tokens_per_s"] - 1 if row["output_tokens_per_s"] else None
         out.append(
             {
                 "policy": row["policy"],
                 "concurrency": c,
                 "measured_tokens_per_s": row["output_tokens_per_s"],
-                "simulated_tokens_per_s": s["output_tokens_per_s"],
+                "simulated_tokens_per_s": round(float(x), 2),
                 "error": None if err is None else round(err, 4),
-                "simulated_switches": s["switches"],
+                "simulated_switches": int(s["switches"]),
                 "measured_switches": row.get("switches"),
             }
         )
@@ -100,9 +156,15 @@ def run(args: argparse.Namespace) -> int:
     replicas = args.replicas or meta.get("num_replicas") or meta.get("replicas") or 2
     spec = args.spec_steps if args.spec_steps is not None else policy.tiers[0].num_steps
     rows = sorted(serve["rows"], key=lambda r: (r["policy"], r["concurrency"]))
+    efficiency = None
+    if args.stack_efficiency_from:
+        efficiency = stack_efficiency(json.loads(Path(args.stack_efficiency_from).read_text())["rows"], curve,
+                                      replicas, spec)
+        print("stack efficiency (share of the curve's speed, by busy replicas): "
+              + "; ".join(f"k={k}: {', '.join(f'{v:.3f}' for v in vs)}" for k, vs in sorted(efficiency.items())))
     points = simulate_sweep(
-        curve, rows, policy, options, replicas, spec, meta.get("requests_per_point"), args.dt, args.seed,
-        args.host_cores, args.host_ms_per_chunk / 1000,
+        curve, rows, policy, options, replicas, spec, args.dt, args.seed, args.host_cores,
+        args.host_ms_per_chunk / 1000, float(meta.get("settle_s") or 0.0), efficiency,
     )
     print(f"{'policy':10s} {'conc':>5s} {'measured':>10s} {'simulated':>10s} {'error':>8s}")
     for p in points:
@@ -112,8 +174,8 @@ def run(args: argparse.Namespace) -> int:
             f"{p['simulated_tokens_per_s']:10.2f} {err:>8s}"
         )
     errors = [abs(p["error"]) for p in points if p["error"] is not None]
-    worst = max(errors) if errors else None
-    within = sum(e <= args.tolerance for e in errors)
+    worst = float(max(errors)) if errors else None
+    within = int(sum(e <= args.tolerance for e in errors))
     print(
         f"{within}/{len(errors)} points within {100 * args.tolerance:.0f}%; worst {100 * (worst or 0):.1f}%; "
         f"curve notes: {curve.notes or 'none'}"
@@ -129,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
             "tolerance": args.tolerance,
             "host_cores": args.host_cores,
             "host_ms_per_chunk": args.host_ms_per_chunk,
+            "stack_efficiency_from": args.stack_efficiency_from,
+            "stack_efficiency": None if efficiency is None else {str(k): list(v) for k, v in efficiency.items()},
+            "settle_s": float(meta.get("settle_s") or 0.0),
             "worst_error": worst,
             "within_tolerance": within,
             "points_compared": len(errors),
