@@ -188,3 +188,38 @@ def test_report_explains_a_short_point_by_what_dynamic_ran():
     why = why_short(rows(300.0, 200.0, 205.0, "0"), 16, "spec", calibration)
     assert "the calibration measured num_steps 0 at 1.05x num_steps 3 at load 8" in why
     assert why_short(rows(300.0, 200.0, 205.0, "0"), 16, "spec", {"measurements": {"rows": []}}).endswith("this load")
+
+
+def test_staggered_clients_send_their_first_requests_spread_over_the_stagger():
+    import asyncio
+    import time
+
+    from serve_app.bench.client import Record
+    from serve_app.bench.serve import measure_window
+
+    class FakeTarget:
+        def __init__(self):
+            self.starts = []
+
+        async def chat(self, i, messages, max_tokens, ignore_eos):
+            rec = Record(time.perf_counter(), i, output_tokens=2)
+            self.starts.append(rec.start)
+            await asyncio.sleep(0.5)  # longer than the stagger: the first 4 starts are the clients' first
+            rec.chunk_times = [time.perf_counter()]
+            return rec
+
+    class FakePoller:
+        def summary(self, t0, t1):
+            return {"switches": 0, "mean_load_per_replica": None, "mode_share": {}}
+
+    async def first_starts(stagger):
+        target = FakeTarget()
+        t = time.perf_counter()
+        await measure_window(target, FakePoller(), [[{"role": "user", "content": "x"}]] * 8, 4, 0.0, 0.1, 2, True,
+                             stagger_s=stagger)
+        return sorted(s - t for s in target.starts)[:4]
+
+    together = asyncio.run(first_starts(0.0))
+    assert max(together) < 0.03
+    spread = asyncio.run(first_starts(0.4))  # clients at 0, 0.1, 0.2, 0.3 s
+    assert spread[1] >= 0.09 and spread[3] >= 0.29 and spread[3] < 0.4

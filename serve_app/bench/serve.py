@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-s", type=float, default=30.0, help="measured seconds of each window")
     p.add_argument("--repeats", type=int, default=1,
                    help="windows per policy and concurrency, in mirrored order (default 1)")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="spread the clients' first requests evenly over this many seconds (default 0: all at once)")
     p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: the ladder's top tier)")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
 
@@ -73,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         sys.exit("concurrency must be positive")
     if args.repeats < 1:
         sys.exit("--repeats must be at least 1")
+    if args.stagger_s < 0:
+        sys.exit("--stagger-s must be >= 0")
     result = run_against_target(args, lambda target: sweep(target, args))
     print(format_table(result))
     if args.out:
@@ -97,11 +101,14 @@ class Window:
 
 
 async def measure_window(target: Target, poller: Poller, prompts: list[list[dict]], concurrency: int,
-                         settle_s: float, measure_s: float, max_tokens: int, ignore_eos: bool) -> Window:
+                         settle_s: float, measure_s: float, max_tokens: int, ignore_eos: bool,
+                         stagger_s: float = 0.0) -> Window:
     """c closed-loop clients: settle, then measure (see the module docstring). The window opens
     ``settle_s`` after the start, and never before every client has finished one request: the
     clients start together, and until their first requests end they run in step (one wave of
-    prefills, then a batch that ends together), which a window must not catch."""
+    prefills, then a batch that ends together), which a window must not catch. With
+    ``stagger_s`` client j sends its first request j·stagger_s/c seconds after the start:
+    requests of one length at one speed (plain decoding) otherwise stay in step for good."""
     start = time.perf_counter()
     t0 = t1 = math.inf
     records, measured = [], []
@@ -110,9 +117,10 @@ async def measure_window(target: Target, poller: Poller, prompts: list[list[dict
     # measured on the same prompts (their speed-ups differ a lot); warm-up ones take others.
     window_indices, other_indices = itertools.count(), itertools.count(len(prompts) // 2)
 
-    async def client() -> None:
+    async def client(j: int) -> None:
         nonlocal open_measured, first_done, t0, t1
         first = True
+        await asyncio.sleep(j * stagger_s / concurrency)
         while time.perf_counter() < t1 or open_measured:
             in_window = t0 <= time.perf_counter() < t1
             i = next(window_indices if in_window else other_indices)
@@ -128,7 +136,7 @@ async def measure_window(target: Target, poller: Poller, prompts: list[list[dict
                     t0 = max(start + settle_s, time.perf_counter())
                     t1 = t0 + measure_s
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    await asyncio.gather(*(client(j) for j in range(concurrency)))
     return Window(timings=[r.timing for r in measured if r.ok],
                   tokens=sum(r.tokens_between(t0, t1) for r in records),
                   completed=sum(1 for r in records if r.ok and t0 <= r.end < t1),
@@ -198,11 +206,13 @@ async def sweep(target: Target, args: argparse.Namespace) -> dict:
                     bar.set_postfix_str(f"c={c} {policy}")
                     await target.apply_policy(policy, spec_steps)
                     windows[policy].append(await measure_window(target, poller, prompts, c, args.settle_s,
-                                                                args.measure_s, args.max_tokens, args.ignore_eos))
+                                                                args.measure_s, args.max_tokens, args.ignore_eos,
+                                                                args.stagger_s))
                     bar.update(1)
                 rows += [{"policy": p, "concurrency": c} | point_row(windows[p]) for p in args.policies]
         await target.put_mode(None)
-    windows_meta = {"repeats": args.repeats, "settle_s": args.settle_s, "measure_s": args.measure_s}
+    windows_meta = {"repeats": args.repeats, "settle_s": args.settle_s, "measure_s": args.measure_s,
+                    "stagger_s": args.stagger_s}
     return {"meta": meta(args, target, status, spec_steps) | windows_meta, "rows": rows, "ratios": ratios(rows)}
 
 
