@@ -55,7 +55,7 @@ def cpu_by_group() -> dict:
 
 def replica_threads() -> dict:
     """CPU seconds per thread name inside the replica processes (the step thread is
-    ``specserve-engine``), summed over replicas."""
+    ``specserve-step``), summed over replicas."""
     out = defaultdict(float)
     for p in psutil.process_iter():
         if group(p) != "LLMReplica":

@@ -58,8 +58,8 @@ class SimOptions:
     serving stack, by num_steps and by how many replicas are busy at once: ``{k: (e1, e2,
     ...)}``, entry i for i + 1 busy replicas, the last entry for more; a k not listed takes the
     nearest listed one. Measured, not derived (``validate --stack-efficiency-from``): on one
-    small machine the replica's step thread waits on the GIL and on the cores behind the
-    stack's other threads (docs/simulation.md). None: the curve's speed."""
+    small machine the replica's step thread shares the cores with the stack's other threads,
+    which preempt it many times a step (docs/simulation.md). None: the curve's speed."""
 
 
 @dataclass
@@ -282,8 +282,11 @@ class Simulation:
         kidx = self.k_index[self.control.steps[slot_rows]]
         self.slot_req[slot_rows, cols] = ids
         batch = np.repeat(self.running[rows] + k, k)  # prefill at the batch it joins
-        busy = np.count_nonzero(self.running) + np.count_nonzero(self.running[rows] == 0)
-        self.pre_end[slot_rows, cols] = ends = t + self.prefill_lut[kidx, batch] / self.eff_lut[kidx, busy]
+        prefill = self.prefill_lut[kidx, batch]
+        if self.opts.stack_efficiency:
+            busy = np.count_nonzero(self.running) + np.count_nonzero(self.running[rows] == 0)
+            prefill = prefill / self.eff_lut[kidx, busy]
+        self.pre_end[slot_rows, cols] = ends = t + prefill
         np.minimum.at(self.min_pre, slot_rows, ends)
         self.req.admit[ids] = t
         self.head[rows] += k
@@ -352,7 +355,7 @@ class Simulation:
     def tokens_between(self, t0: float, t1: float) -> float:
         """Output tokens decoded in [t0, t1) (needs ``timeline_s`` no coarser than the window)."""
         bucket = self.opts.timeline_s or 0.0
-        return sum(tok * bucket for end, _, _, tok in self.timeline if t0 < end - bucket / 2 < t1)
+        return float(sum(tok * bucket for end, _, _, tok in self.timeline if t0 < end - bucket / 2 < t1))
 
     def _host_share(self, rate: np.ndarray, kidx: np.ndarray) -> float:
         """The share of full speed the machine's cores allow: each busy replica's engine wants a

@@ -25,6 +25,7 @@ busy replicas, X_stack(c) / (c · X_curve(1, k)) (``SimOptions.stack_efficiency`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def simulate_window(curve, policy, options, opts: SimOptions, clients: int, toke
     slack *= 0.5 if opts.host_cores else 1.0
     rounds = int((settle_s + 2 * measure_s) * slowest * slack / max(tokens, 1)) + 4
     for _ in range(6):
-        o = SimOptions(**{**opts.__dict__, "timeline_s": opts.dt_s, "drain_s": 1e6})
+        o = dataclasses.replace(opts, timeline_s=opts.dt_s, drain_s=1e6)
         sim = Simulation(curve, ClosedLoop(clients, clients * rounds, tokens), policy, options, o).run()
         first_wave = float(sim.req.finish[:clients].max())
         t0 = max(settle_s, first_wave)
@@ -132,15 +133,15 @@ def simulate_sweep(curve, rows, policy, options, replicas, spec_steps, dt=0.02, 
         )
         x, s = simulate_window(curve, policy, options, opts, c, int(round(tokens)), settle_s,
                                float(row.get("measure_s") or 30.0))
-        err = float(x) / row["output_tokens_per_s"] - 1 if row["output_tokens_per_s"] else None
+        err = x / row["output_tokens_per_s"] - 1 if row["output_tokens_per_s"] else None
         out.append(
             {
                 "policy": row["policy"],
                 "concurrency": c,
                 "measured_tokens_per_s": row["output_tokens_per_s"],
-                "simulated_tokens_per_s": round(float(x), 2),
+                "simulated_tokens_per_s": round(x, 2),
                 "error": None if err is None else round(err, 4),
-                "simulated_switches": int(s["switches"]),
+                "simulated_switches": s["switches"],
                 "measured_switches": row.get("switches"),
             }
         )
@@ -174,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
             f"{p['simulated_tokens_per_s']:10.2f} {err:>8s}"
         )
     errors = [abs(p["error"]) for p in points if p["error"] is not None]
-    worst = float(max(errors)) if errors else None
-    within = int(sum(e <= args.tolerance for e in errors))
+    worst = max(errors) if errors else None
+    within = sum(e <= args.tolerance for e in errors)
     print(
         f"{within}/{len(errors)} points within {100 * args.tolerance:.0f}%; worst {100 * (worst or 0):.1f}%; "
         f"curve notes: {curve.notes or 'none'}"
