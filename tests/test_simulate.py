@@ -6,9 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve_app.config import load_policy_file
-
-from serve_app.config import ControllerOptions, PolicyConfig, Tier
+from serve_app.config import ControllerOptions, PolicyConfig, Tier, load_policy_file
 from serve_app.simulate.__main__ import curve_policy, main
 from serve_app.simulate.curves import from_bench, load_curve, mean_accepted
 from serve_app.simulate.sim import ClosedLoop, SimOptions, Simulation
@@ -101,17 +99,48 @@ def test_the_stack_efficiency_scales_an_engine_by_its_mode_and_the_replicas_busy
         2 * 0.5 * curve.throughput(1, 5), rel=0.02)
 
 
-def test_validate_measures_the_stack_efficiency_at_one_request_per_busy_replica():
+def test_the_stack_efficiency_can_depend_on_the_requests_a_replica_runs():
+    curve = from_bench(BENCH, "chat")
+    # Both replicas busy: 0.6 with one request each, 0.8 with two, held at 0.8 for more.
+    eff = {0: (0.9, (0.6, 0.8))}
+    two = closed_loop_tokens_per_s(curve, 0, 2, replicas=2, stack_efficiency=eff)
+    assert two == pytest.approx(2 * 0.6 * curve.throughput(1, 0), rel=0.02)
+    four = closed_loop_tokens_per_s(curve, 0, 4, replicas=2, stack_efficiency=eff)
+    assert four == pytest.approx(2 * 0.8 * curve.throughput(2, 0), rel=0.03)
+    eight = closed_loop_tokens_per_s(curve, 0, 8, replicas=2, stack_efficiency=eff)
+    assert eight == pytest.approx(2 * 0.8 * curve.throughput(4, 0), rel=0.03)
+
+
+def test_validate_measures_the_stack_efficiency_by_busy_replicas_and_requests_per_replica():
     curve = from_bench(BENCH, "chat")
     x0, x5 = curve.throughput(1, 0), curve.throughput(1, 5)
     rows = [{"policy": "off", "concurrency": 1, "output_tokens_per_s": 0.9 * x0},
             {"policy": "off", "concurrency": 2, "output_tokens_per_s": 2 * 0.6 * x0},
             {"policy": "spec", "concurrency": 1, "output_tokens_per_s": 0.8 * x5},
             {"policy": "dynamic", "concurrency": 2, "output_tokens_per_s": 1.0},
-            {"policy": "off", "concurrency": 8, "output_tokens_per_s": 1.0}]
+            {"policy": "off", "concurrency": 3, "output_tokens_per_s": 1.0}]  # not b per replica: unused
     assert stack_efficiency(rows, curve, 2, 5) == {0: (0.9, 0.6), 5: (0.8, 0.8)}
+    # Every replica busy with b requests (c = 2b): e = X(c) / (2 · X_curve(b)); b = 2 not
+    # measured takes b = 1's value.
+    rows.append({"policy": "off", "concurrency": 6, "output_tokens_per_s": 2 * 0.7 * curve.throughput(3, 0)})
+    assert stack_efficiency(rows, curve, 2, 5) == {0: (0.9, (0.6, 0.6, 0.7)), 5: (0.8, 0.8)}
     with pytest.raises(ValueError, match="no spec or off rows"):
-        stack_efficiency(rows[3:], curve, 2, 5)
+        stack_efficiency(rows[3:5], curve, 2, 5)
+
+
+def test_staggered_clients_start_one_after_another():
+    curve = from_bench(BENCH, "chat")
+    policy = PolicyConfig(tiers=[Tier(num_steps=5)])
+    opts = SimOptions(replicas=2, policy="off", spec_steps=5, drain_s=1e6)
+    gap = 2 * 64 / curve.throughput(1, 0)  # twice one request's time
+    sim = Simulation(curve, ClosedLoop(4, 4, 64, stagger_s=4 * gap), policy, OPTS, opts).run()
+    assert sim.req.arrival.tolist() == pytest.approx([0.0, gap, 2 * gap, 3 * gap])
+    assert (sim.req.admit >= sim.req.arrival).all() and (sim.req.finish_count == 1).all()
+    # Each client's first request runs alone: no batching.
+    tpot = (sim.req.finish - sim.req.first) / 63
+    assert tpot == pytest.approx(np.full(4, 1 / curve.throughput(1, 0)), rel=0.02)
+    with pytest.raises(ValueError, match="stagger_s"):
+        ClosedLoop(4, 4, 64, stagger_s=-1)
 
 
 def test_the_controller_sees_each_report_only_after_its_delay_and_as_it_was_taken():

@@ -53,13 +53,15 @@ class SimOptions:
     on one small machine; None: every replica has a core to itself and the host costs nothing."""
     host_s_per_chunk: float = 0.0
     """Host CPU seconds per streamed chunk: one chunk per running request per engine step."""
-    stack_efficiency: dict[int, tuple[float, ...]] | None = None
+    stack_efficiency: dict[int, tuple[float | tuple[float, ...], ...]] | None = None
     """The share of the curve's speed (decode rate and prefill) an engine reaches inside the
-    serving stack, by num_steps and by how many replicas are busy at once: ``{k: (e1, e2,
-    ...)}``, entry i for i + 1 busy replicas, the last entry for more; a k not listed takes the
-    nearest listed one. Measured, not derived (``validate --stack-efficiency-from``): on one
-    small machine the replica's step thread shares the cores with the stack's other threads,
-    which preempt it many times a step (docs/simulation.md). None: the curve's speed."""
+    serving stack, by num_steps, by how many replicas are busy at once and by how many requests
+    the engine runs: ``{k: (e1, e2, ...)}``, entry i for i + 1 busy replicas, the last entry for
+    more; an entry is one number (any batch) or a tuple by running requests (entry j for j + 1,
+    the last for more); a k not listed takes the nearest listed one. Measured, not derived
+    (``validate --stack-efficiency-from``): on one small machine the replica's step thread
+    shares the cores with the stack's other threads, which preempt it many times a step
+    (docs/simulation.md). None: the curve's speed."""
 
 
 @dataclass
@@ -84,10 +86,14 @@ class Requests:
 
 class ClosedLoop:
     """``clients`` clients; each sends its next request when the previous one finishes,
-    ``total`` requests in all (the benchmark's closed loop)."""
+    ``total`` requests in all (the benchmark's closed loop). Client j sends its first request
+    at j·``stagger_s``/clients (``bench serve --stagger-s``; 0: all at the start)."""
 
-    def __init__(self, clients: int, total: int, output_tokens: int):
+    def __init__(self, clients: int, total: int, output_tokens: int, stagger_s: float = 0.0):
+        if stagger_s < 0:
+            raise ValueError(f"stagger_s must be >= 0, got {stagger_s}")
         self.clients, self.total, self.output_tokens = clients, max(total, clients), output_tokens
+        self.stagger_s = stagger_s
 
 
 class Simulation:
@@ -140,7 +146,7 @@ class Simulation:
             self.req = Requests(
                 np.full(total, np.inf), np.full(total, workload.output_tokens, np.int64), np.zeros(total, bool)
             )
-            self.req.arrival[: workload.clients] = 0.0
+            self.req.arrival[: workload.clients] = np.arange(workload.clients) * workload.stagger_s / workload.clients
             self._issued = workload.clients
             self.hot_n = n
         else:
@@ -206,7 +212,10 @@ class Simulation:
                     )
                 )
                 next_bucket, tokens_at_bucket = next_bucket + bucket, tok
-            done = self._next_arrival >= n_total or (self._issued >= n_total and self._next_arrival > 0)
+            if isinstance(self.workload, ClosedLoop):
+                done = self._issued >= n_total and self._next_arrival >= self.workload.clients
+            else:
+                done = self._next_arrival >= n_total
             done = done and not self._closed_ready
             if (done and not self.running.any() and not self.waiting.any()) or t > end:
                 break
@@ -219,9 +228,10 @@ class Simulation:
         if isinstance(self.workload, ClosedLoop):
             ids = np.array(self._closed_ready, np.int64)
             self._closed_ready = []
-            if self._next_arrival < self.workload.clients:  # the first wave
-                ids = np.concatenate([np.arange(self.workload.clients), ids])
-                self._next_arrival = self.workload.clients
+            if self._next_arrival < self.workload.clients:  # the first wave, as each client starts
+                stop = int(np.searchsorted(req.arrival[: self.workload.clients], t, side="right"))
+                ids = np.concatenate([np.arange(self._next_arrival, stop), ids])
+                self._next_arrival = stop
         else:
             if self._next_arrival >= len(req.arrival) or req.arrival[self._next_arrival] > t:
                 return
@@ -285,7 +295,7 @@ class Simulation:
         prefill = self.prefill_lut[kidx, batch]
         if self.opts.stack_efficiency:
             busy = np.count_nonzero(self.running) + np.count_nonzero(self.running[rows] == 0)
-            prefill = prefill / self.eff_lut[kidx, busy]
+            prefill = prefill / self.eff_lut[kidx, busy, batch]
         self.pre_end[slot_rows, cols] = ends = t + prefill
         np.minimum.at(self.min_pre, slot_rows, ends)
         self.req.admit[ids] = t
@@ -312,7 +322,7 @@ class Simulation:
     def _decode(self, t: float, dt: float, kidx: np.ndarray) -> None:
         rate = self.rate_lut[kidx, self.running]
         if self.opts.stack_efficiency:
-            rate = rate * self.eff_lut[kidx, np.count_nonzero(self.running)]
+            rate = rate * self.eff_lut[kidx, np.count_nonzero(self.running), self.running]
         if self.opts.host_cores:
             rate = rate * self._host_share(rate, kidx)
         gain = rate * dt
@@ -340,16 +350,19 @@ class Simulation:
                 self._reissue(ids, finish)
         self.V = V1
 
-    def _efficiency_table(self, eff: dict[int, tuple[float, ...]] | None, replicas: int) -> np.ndarray:
-        """``stack_efficiency`` as [k index, busy replicas] (1 everywhere without it)."""
-        table = np.ones((len(self.ks), replicas + 1))
+    def _efficiency_table(self, eff, replicas: int) -> np.ndarray:
+        """``stack_efficiency`` as [k index, busy replicas, running requests] (1 everywhere
+        without it)."""
+        table = np.ones((len(self.ks), replicas + 1, self.S + 1))
         if not eff:
             return table
         listed = sorted(eff)
         for i, k in enumerate(self.ks):
-            near = min(listed, key=lambda m: (abs(m - k), m))
-            row = eff[near]
-            table[i, 1:] = [row[min(b, len(row)) - 1] for b in range(1, replicas + 1)]
+            row = eff[min(listed, key=lambda m: (abs(m - k), m))]
+            for busy in range(1, replicas + 1):
+                entry = row[min(busy, len(row)) - 1]
+                by_batch = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+                table[i, busy, 1:] = [by_batch[min(b, len(by_batch)) - 1] for b in range(1, self.S + 1)]
         return table
 
     def tokens_between(self, t0: float, t1: float) -> float:

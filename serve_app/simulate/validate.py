@@ -7,19 +7,22 @@ the engine's slots) on curves from this machine's engine benchmark, and compares
 tokens/s point by point.
 
 Each point is simulated as the benchmark measures one window: c clients start together on a
-fresh cluster and keep sending; the window opens ``settle_s`` after the start (the sweep's
-meta), and never before every client has finished its first request; it lasts the row's
-``measure_s`` (default 30 s), and its output tokens/s is compared. Output tokens per request:
-the row's mean, else the curve's.
+fresh cluster (with the sweep's ``stagger_s``, from ``bench serve --stagger-s``, client j starts
+j·stagger_s/c seconds in, as there) and keep sending; the window opens ``settle_s`` after the
+start (the sweep's meta), and never before every client has finished its first request; it
+lasts the row's ``measure_s`` (default 30 s), and its output tokens/s is compared. Output
+tokens per request: the row's mean, else the curve's.
 
 With ``--host-cores`` the replicas share that many cores with the host's work, which costs
 ``--host-ms-per-chunk`` of CPU per streamed chunk (see ``SimOptions.host_cores``): on one small
 machine the ingress, the HTTP proxy and the clients run beside the engines.
 
-With ``--stack-efficiency-from FILE`` (a ``bench serve`` JSON with ``spec`` and ``off`` rows at
-concurrency 1 .. replicas, run apart from the sweep) an engine runs at the share of the curve's
-speed that the stack measured there at one request per busy replica: for num_steps k and c
-busy replicas, X_stack(c) / (c · X_curve(1, k)) (``SimOptions.stack_efficiency``).
+With ``--stack-efficiency-from FILE`` (a ``bench serve`` JSON with ``spec`` and ``off`` rows,
+run apart from the sweep) an engine runs at the share of the curve's speed that the stack
+measured there (``SimOptions.stack_efficiency``): at concurrency c <= replicas, one request per
+busy replica, X_stack(c) / (c · X_curve(1, k)) for c busy replicas; at c = b · replicas,
+X_stack(c) / (replicas · X_curve(b, k)) for b requests on every replica, held for larger
+batches.
 """
 
 from __future__ import annotations
@@ -41,25 +44,47 @@ from .sim import ClosedLoop, SimOptions, Simulation
 ALIASES = {"auto": "dynamic", "static-spec": "spec", "static-off": "off"}
 
 
-def stack_efficiency(rows: list[dict], curve, replicas: int, spec_steps: int) -> dict[int, tuple[float, ...]]:
-    """{num_steps: (e1, e2, ...)} from ``bench serve`` rows at one request per busy replica:
-    e_c = tokens/s at concurrency c / (c x the curve's tokens/s of one request), c = 1 .. replicas
-    (a concurrency not measured takes the one below it)."""
-    out: dict[int, tuple[float, ...]] = {}
+def stack_efficiency(rows: list[dict], curve, replicas: int,
+                     spec_steps: int) -> dict[int, tuple[float | tuple[float, ...], ...]]:
+    """``SimOptions.stack_efficiency`` from ``bench serve`` rows, run apart from the sweep: at
+    concurrency c <= replicas (c busy replicas, one request each) e = X(c) / (c · X_curve(1, k));
+    at c = b · replicas (every replica busy with b requests) e = X(c) / (replicas · X_curve(b, k)).
+    Entries for the busy counts and batches not measured take the ones below them; batches
+    above the largest measured one take its value (the simulation holds the last entry)."""
+    out: dict[int, tuple[float | tuple[float, ...], ...]] = {}
     for policy, k in (("off", 0), ("spec", spec_steps)):
         by_c = {int(r["concurrency"]): r["output_tokens_per_s"] for r in rows
-                if ALIASES.get(r["policy"], r["policy"]) == policy and 1 <= int(r["concurrency"]) <= replicas}
+                if ALIASES.get(r["policy"], r["policy"]) == policy}
         if 1 not in by_c:
             continue
-        values, last = [], None
+        per_busy, last = [], None
         for c in range(1, replicas + 1):
             if c in by_c:
                 last = by_c[c] / (c * curve.throughput(1, k))
-            values.append(round(last, 4))
-        out[k] = tuple(values)
+            per_busy.append(round(last, 4))
+        batches = sorted(c // replicas for c in by_c if c > replicas and c % replicas == 0)
+        if batches:
+            values = [per_busy[-1]]
+            for b in range(2, batches[-1] + 1):
+                if b in batches:
+                    last = by_c[b * replicas] / (replicas * curve.throughput(b, k))
+                values.append(round(last, 4))
+            per_busy[-1] = tuple(values)
+        out[k] = tuple(per_busy)
     if not out:
-        raise ValueError(f"no spec or off rows at concurrency 1 .. {replicas} to measure the stack's efficiency on")
+        raise ValueError("no spec or off rows at concurrency 1 to measure the stack's efficiency on")
     return out
+
+
+def efficiency_values(eff) -> list[float]:
+    """Every number in a ``stack_efficiency`` mapping."""
+    return [x for row in (eff or {}).values() for e in row for x in (e if isinstance(e, (tuple, list)) else (e,))]
+
+
+def describe_efficiency(eff) -> str:
+    """One line: by num_steps, by busy replicas, by running requests where measured."""
+    fmt = lambda e: "/".join(f"{x:.3f}" for x in e) if isinstance(e, (tuple, list)) else f"{e:.3f}"  # noqa: E731
+    return "; ".join(f"k={k}: {', '.join(fmt(e) for e in row)}" for k, row in sorted(eff.items()))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,18 +108,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def simulate_window(curve, policy, options, opts: SimOptions, clients: int, tokens: int, settle_s: float,
-                    measure_s: float) -> tuple[float, dict]:
+                    measure_s: float, stagger_s: float = 0.0) -> tuple[float, dict]:
     """(output tokens/s in the benchmark's window, the run's summary) of ``clients`` closed-loop
     clients from a cold start: the window opens at ``settle_s``, and never before every client
     has finished its first request, and lasts ``measure_s``."""
     per_replica = max(clients / opts.replicas, 1.0)
     slowest = min(curve.throughput(per_replica, k) for k in curve.steps) / per_replica  # tokens/s a request
-    slack = min((v for vs in (opts.stack_efficiency or {0: (1.0,)}).values() for v in vs), default=1.0)
+    slack = min(efficiency_values(opts.stack_efficiency), default=1.0)
     slack *= 0.5 if opts.host_cores else 1.0
-    rounds = int((settle_s + 2 * measure_s) * slowest * slack / max(tokens, 1)) + 4
+    rounds = int((settle_s + stagger_s + 2 * measure_s) * slowest * slack / max(tokens, 1)) + 4
     for _ in range(6):
         o = dataclasses.replace(opts, timeline_s=opts.dt_s, drain_s=1e6)
-        sim = Simulation(curve, ClosedLoop(clients, clients * rounds, tokens), policy, options, o).run()
+        sim = Simulation(curve, ClosedLoop(clients, clients * rounds, tokens, stagger_s), policy, options, o).run()
         first_wave = float(sim.req.finish[:clients].max())
         t0 = max(settle_s, first_wave)
         t1 = t0 + measure_s
@@ -105,7 +130,7 @@ def simulate_window(curve, policy, options, opts: SimOptions, clients: int, toke
 
 
 def simulate_sweep(curve, rows, policy, options, replicas, spec_steps, dt=0.02, seed=0, host_cores=None,
-                   host_s_per_chunk=0.0, settle_s=0.0, stack_efficiency=None):
+                   host_s_per_chunk=0.0, settle_s=0.0, stack_efficiency=None, stagger_s=0.0):
     """One simulated window per row (each from a fresh cluster; dynamic starts in the tier the
     previous, lower concurrency called for, as the benchmark's controller would)."""
     out = []
@@ -132,7 +157,7 @@ def simulate_sweep(curve, rows, policy, options, replicas, spec_steps, dt=0.02, 
             stack_efficiency=stack_efficiency,
         )
         x, s = simulate_window(curve, policy, options, opts, c, int(round(tokens)), settle_s,
-                               float(row.get("measure_s") or 30.0))
+                               float(row.get("measure_s") or 30.0), stagger_s)
         err = x / row["output_tokens_per_s"] - 1 if row["output_tokens_per_s"] else None
         out.append(
             {
@@ -161,11 +186,12 @@ def run(args: argparse.Namespace) -> int:
     if args.stack_efficiency_from:
         efficiency = stack_efficiency(json.loads(Path(args.stack_efficiency_from).read_text())["rows"], curve,
                                       replicas, spec)
-        print("stack efficiency (share of the curve's speed, by busy replicas): "
-              + "; ".join(f"k={k}: {', '.join(f'{v:.3f}' for v in vs)}" for k, vs in sorted(efficiency.items())))
+        print("stack efficiency (share of the curve's speed, by busy replicas; a/b/..: by requests per replica): "
+              + describe_efficiency(efficiency))
     points = simulate_sweep(
         curve, rows, policy, options, replicas, spec, args.dt, args.seed, args.host_cores,
         args.host_ms_per_chunk / 1000, float(meta.get("settle_s") or 0.0), efficiency,
+        float(meta.get("stagger_s") or 0.0),
     )
     print(f"{'policy':10s} {'conc':>5s} {'measured':>10s} {'simulated':>10s} {'error':>8s}")
     for p in points:
@@ -193,8 +219,10 @@ def run(args: argparse.Namespace) -> int:
             "host_cores": args.host_cores,
             "host_ms_per_chunk": args.host_ms_per_chunk,
             "stack_efficiency_from": args.stack_efficiency_from,
-            "stack_efficiency": None if efficiency is None else {str(k): list(v) for k, v in efficiency.items()},
+            "stack_efficiency": None if efficiency is None else {str(k): [list(e) if isinstance(e, tuple) else e for e in v]
+                                                                 for k, v in efficiency.items()},
             "settle_s": float(meta.get("settle_s") or 0.0),
+            "stagger_s": float(meta.get("stagger_s") or 0.0),
             "worst_error": worst,
             "within_tolerance": within,
             "points_compared": len(errors),
