@@ -99,8 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-ms-per-chunk", type=float, default=0.0,
                    help="host CPU ms per streamed chunk, measured with scripts/cpu_share.py")
     p.add_argument("--stack-efficiency-from", default=None, metavar="FILE",
-                   help="a bench serve JSON with spec/off rows at concurrency 1 .. replicas, run apart from the sweep: "
-                        "engines run at the share of the curve's speed measured there (default: the curve's speed)")
+                   help="a bench serve JSON with spec/off rows at concurrency 1 .. replicas and multiples of replicas, "
+                        "run apart from the sweep: engines run at the share of the curve's speed measured there, by busy "
+                        "replicas and requests per replica (default: the curve's speed)")
     p.add_argument("--tolerance", type=float, default=0.15)
     p.add_argument("--dt", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
