@@ -224,3 +224,22 @@ def test_validate_reports_each_point_and_fails_past_the_tolerance(tmp_path):
 
     serve.write_text(json.dumps({"rows": [{**r, "output_tokens_per_s": 1.3 * r["output_tokens_per_s"]} for r in rows]}))
     assert main(args) == 1
+
+
+def test_validate_simulates_the_ladder_the_sweep_recorded(tmp_path):
+    curve = from_bench(BENCH, "chat")
+    rows = [{"policy": p, "concurrency": 2, "output_tokens_per_s": 2 * curve.throughput(1, 0)} for p in ("off", "dynamic")]
+    serve, out = tmp_path / "serve.json", tmp_path / "v.json"
+    args = ["validate", "--curves", str(BENCH), "--serve", str(serve), "--out", str(out), "--tolerance", "10"]
+
+    def simulated(meta):
+        serve.write_text(json.dumps({"meta": {"prompt_set": "chat", **meta}, "rows": rows}))
+        assert main(args) == 0
+        return {p["policy"]: p["simulated_tokens_per_s"] for p in json.loads(out.read_text())["points"]}
+
+    # The config's ladder speculates at one request per replica; a sweep that ran plain decoding
+    # only is simulated as it ran.
+    config_ladder = simulated({})
+    assert config_ladder["dynamic"] != config_ladder["off"]
+    recorded = simulated({"policy": {"tiers": [{"below": None, "num_steps": 0}]}})
+    assert recorded["dynamic"] == recorded["off"] == config_ladder["off"]

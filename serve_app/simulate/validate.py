@@ -2,8 +2,8 @@
 
 The serving benchmark (``python -m serve_app.bench serve``) runs closed-loop clients against
 the local deployment (2 replicas) for each policy and concurrency. This simulates the same
-sweep (same replicas, concurrencies, policies, the config's policy and controller options,
-the engine's slots) on curves from this machine's engine benchmark, and compares output
+sweep (same replicas, concurrencies, policies, the ladder the sweep's meta records, else the
+config's, the config's controller options, the engine's slots) on curves from this machine's engine benchmark, and compares output
 tokens/s point by point.
 
 Each point is simulated as the benchmark measures one window: c clients start together on a
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serve_app.config import ControllerOptions
+from serve_app.config import ControllerOptions, PolicyConfig
 from serve_app.policy import raw_tier
 
 from .__main__ import load_policy
@@ -90,7 +90,9 @@ def describe_efficiency(eff) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curves", required=True, help="engine bench JSON from this machine")
     p.add_argument("--serve", required=True, help="serve bench JSON (rows: policy, concurrency, output_tokens_per_s)")
-    p.add_argument("--config", default="configs/local.yaml", help="the serve config the sweep ran")
+    p.add_argument("--config", default="configs/local.yaml",
+                   help="the serve config the sweep ran (controller options, max_num_seqs; its ladder where the "
+                        "sweep's meta does not record one)")
     p.add_argument("--prompt-set", default=None, help="engine bench prompt set (default: the sweep's, else the first)")
     p.add_argument("--replicas", type=int, default=None, help="default: the sweep's meta, else 2")
     p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: the top tier)")
@@ -179,9 +181,12 @@ def run(args: argparse.Namespace) -> int:
     meta = serve.get("meta", {})
     policy, options, max_seqs = load_policy(args.config)
     options = options or ControllerOptions()
+    if isinstance(meta.get("policy"), dict) and meta["policy"].get("tiers"):
+        policy = PolicyConfig.model_validate(meta["policy"])  # the ladder the sweep ran, not today's file
+        print(f"dynamic runs the sweep's ladder: {policy.tiers}")
     curve = from_bench(args.curves, args.prompt_set or meta.get("prompt_set"), max_running=max_seqs or 32)
     replicas = args.replicas or meta.get("num_replicas") or meta.get("replicas") or 2
-    spec = args.spec_steps if args.spec_steps is not None else policy.tiers[0].num_steps
+    spec = args.spec_steps if args.spec_steps is not None else meta.get("spec_steps") or policy.tiers[0].num_steps
     rows = sorted(serve["rows"], key=lambda r: (r["policy"], r["concurrency"]))
     efficiency = None
     if args.stack_efficiency_from:
