@@ -9,7 +9,9 @@ replica L and each num_steps k (the config's ladder, 0 included), ``bench serve`
 loop runs L x replicas clients with k pinned through the operator API. Points at one load
 run back to back for every k, so their ratios see the same machine conditions; with
 ``--repeats N`` each k runs N windows at a load in mirrored order (k=3, k=0, k=0, k=3, ...),
-pooled as ``bench serve`` pools them, so a drift over a load weighs on every k alike.
+pooled as ``bench serve`` pools them, so a drift over a load weighs on every k alike. With
+``--stagger-s S`` each window's clients start spread over S seconds, as ``bench serve
+--stagger-s`` does.
 
 From the tokens/s table it builds the ladder: walking up the loads, a tier ends where a
 tier with fewer steps starts to win; the boundary is the crossover, interpolated linearly
@@ -58,6 +60,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-s", type=float, default=20.0, help="measured seconds per window")
     p.add_argument("--repeats", type=int, default=1,
                    help="windows per num_steps and load, in mirrored order, pooled (default 1)")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="client j sends its first request j x S / clients seconds after a window starts, as "
+                        "bench serve --stagger-s (default 0: together; requests of one length then stay in step "
+                        "under plain decoding, which flatters it against traffic that arrives spread out)")
     p.add_argument("--out", default="configs/policies/local.yaml", help="the policy file to write")
     p.add_argument("--results", default=None, help="also write the measurements as JSON here")
     return p
@@ -130,12 +136,14 @@ async def measure(target: Target, args: argparse.Namespace) -> dict:
                     bar.set_postfix_str(f"load {load:g} k={k}")
                     await target.apply_policy("spec" if k else "off", k)
                     windows[k].append(await measure_window(target, poller, prompts, clients, args.settle_s,
-                                                           args.measure_s, args.max_tokens, args.ignore_eos))
+                                                           args.measure_s, args.max_tokens, args.ignore_eos,
+                                                           args.stagger_s))
                     bar.update(1)
                 rows += [{"num_steps": k, "load_per_replica": load, "concurrency": clients} | point_row(windows[k])
                          for k in steps]
     await target.put_mode(None)
-    return {"model": target.model, "replicas": replicas, "policy": policy.model_dump(), "rows": rows}
+    return {"model": target.model, "replicas": replicas, "policy": policy.model_dump(), "stagger_s": args.stagger_s,
+            "rows": rows}
 
 
 def calibrate(measured: dict, args: argparse.Namespace) -> dict:
@@ -152,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.repeats < 1:
         parser().error("--repeats must be at least 1")
+    if args.stagger_s < 0:
+        parser().error("--stagger-s must be >= 0")
     t0 = time.monotonic()
     measured = run_against_target(args, lambda target: measure(target, args))
     result = calibrate(measured, args) | {"measurements": measured}

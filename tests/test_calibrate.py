@@ -47,7 +47,7 @@ def test_calibrate_sweeps_the_deployed_app_and_writes_a_policy_file_configs_incl
     policy_file, results = tmp_path / "policy.yaml", tmp_path / "calibration.json"
     assert main(["--url", tiny_app.prefix, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN", "--loads", "0.5,2",
                  "--settle-s", "0.3", "--measure-s", "1", "--max-tokens", "8", "--ignore-eos", "--repeats", "2",
-                 "--out", str(policy_file), "--results", str(results)]) == 0
+                 "--stagger-s", "0.2", "--out", str(policy_file), "--results", str(results)]) == 0
     tiny_app.reset()
 
     written = yaml.safe_load(policy_file.read_text())
@@ -59,6 +59,13 @@ def test_calibrate_sweeps_the_deployed_app_and_writes_a_policy_file_configs_incl
     measured = yaml.safe_load(results.read_text())["measurements"]  # JSON is YAML
     assert {(r["num_steps"], r["concurrency"]) for r in measured["rows"]} == {(4, 1), (0, 1), (4, 4), (0, 4)}
     assert all(r["windows"] == 2 and len(r["window_tokens_per_s"]) == 2 for r in measured["rows"])
+    assert measured["stagger_s"] == 0.2
+
+
+def test_calibrate_refuses_a_negative_stagger(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--url", "http://127.0.0.1:1", "--stagger-s", "-1"])
+    assert exc.value.code == 2 and "--stagger-s must be >= 0" in capsys.readouterr().err
 
 
 def test_local_config_takes_its_ladder_from_the_calibrated_policy_file():
