@@ -223,3 +223,20 @@ def test_staggered_clients_send_their_first_requests_spread_over_the_stagger():
     assert max(together) < 0.03
     spread = asyncio.run(first_starts(0.4))  # clients at 0, 0.1, 0.2, 0.3 s
     assert spread[1] >= 0.09 and spread[3] >= 0.29 and spread[3] < 0.4
+
+
+def test_report_says_when_dynamic_ran_one_mode_through_the_trace():
+    from serve_app.bench.report import trace_checks
+
+    def policy(goodput, modes, switches=0):
+        return {"goodput_tokens_per_s": goodput, "tpot_p50_low_load_ms": 20.0, "switches": switches,
+                "timeline": {"mode": [[0.5 * i, k, 1.0] for i, k in enumerate(modes)]}}
+
+    pol = {"spec": policy(21.1, [3, 3]), "off": policy(8.3, [0, 0]), "dynamic": policy(20.5, [3, 3, 3])}
+    line = trace_checks(pol)[0]
+    assert line.startswith("- dynamic's goodput ≥ both static policies: no")
+    assert "did not switch: it ran num_steps 3 throughout, as static spec does" in line
+    pol["dynamic"] = policy(20.5, [3, 0, 3], switches=2)  # it switched: no excuse offered
+    assert "did not switch" not in trace_checks(pol)[0]
+    pol["dynamic"] = policy(22.0, [3, 3])  # met: nothing to explain
+    assert trace_checks(pol)[0].startswith("- dynamic's goodput ≥ both static policies: yes (22.0")

@@ -180,9 +180,25 @@ def trace_checks(pol: dict) -> list[str]:
     low = (d["tpot_p50_low_load_ms"] / s["tpot_p50_low_load_ms"]
            if d["tpot_p50_low_load_ms"] and s["tpot_p50_low_load_ms"] else None)
     return [f"- dynamic's goodput ≥ both static policies: {'yes' if good else 'no'} "
-            f"({_f(d['goodput_tokens_per_s'])} vs spec {_f(s['goodput_tokens_per_s'])}, off {_f(o['goodput_tokens_per_s'])})",
+            f"({_f(d['goodput_tokens_per_s'])} vs spec {_f(s['goodput_tokens_per_s'])}, off {_f(o['goodput_tokens_per_s'])})"
+            + ("" if good else one_mode_note(pol)),
             f"- dynamic's low-load TPOT p50 within 10% of spec: "
             f"{'–' if low is None else ('yes' if low <= LOW_TPOT_TOLERANCE else 'no')} (ratio {_f(low, '.3f')})"]
+
+
+def one_mode_note(pol: dict) -> str:
+    """Where dynamic never switched: the one mode it ran and the static policy that runs it."""
+    d = pol["dynamic"]
+    modes = {int(m[1]) for m in (d.get("timeline") or {}).get("mode", [])}
+    if d.get("switches") or len(modes) != 1:
+        return ""
+    k = modes.pop()
+    same = "off" if k == 0 else "spec"
+    static = {int(m[1]) for m in (pol[same].get("timeline") or {}).get("mode", [])}
+    if static and static != {k}:
+        return ""
+    return (f"; dynamic did not switch: it ran num_steps {k} throughout, as static {same} does, so the gap to "
+            f"{same} is the spread between two runs of one mode, not the policy's doing")
 
 
 def plot_trace(result: dict, path: Path) -> None:
