@@ -3,8 +3,8 @@
 The serving benchmark (``python -m serve_app.bench serve``) runs closed-loop clients against
 the local deployment (2 replicas) for each policy and concurrency. This simulates the same
 sweep (same replicas, concurrencies, policies, the ladder the sweep's meta records, else the
-config's, the config's controller options, the engine's slots) on curves from this machine's engine benchmark, and compares output
-tokens/s point by point.
+config's, the config's controller options, the engine's slots) on curves from this machine's
+engine benchmark, and compares output tokens/s point by point.
 
 Each point is simulated as the benchmark measures one window: c clients start together on a
 fresh cluster (with the sweep's ``stagger_s``, from ``bench serve --stagger-s``, client j starts
