@@ -188,13 +188,15 @@ def trace_checks(pol: dict) -> list[str]:
 
 def one_mode_note(pol: dict) -> str:
     """Where dynamic never switched: the one mode it ran and the static policy that runs it."""
-    d = pol["dynamic"]
-    modes = {int(m[1]) for m in (d.get("timeline") or {}).get("mode", [])}
-    if d.get("switches") or len(modes) != 1:
+    def modes(p: dict) -> set[int]:
+        return {int(m[1]) for m in (p.get("timeline") or {}).get("mode", [])}
+
+    ran = modes(pol["dynamic"])
+    if pol["dynamic"].get("switches") or len(ran) != 1:
         return ""
-    k = modes.pop()
+    k = next(iter(ran))
     same = "off" if k == 0 else "spec"
-    static = {int(m[1]) for m in (pol[same].get("timeline") or {}).get("mode", [])}
+    static = modes(pol[same])
     if static and static != {k}:
         return ""
     return (f"; dynamic did not switch: it ran num_steps {k} throughout, as static {same} does, so the gap to "

@@ -64,6 +64,11 @@ class SimOptions:
     (docs/simulation.md). None: the curve's speed."""
 
 
+def by_batch(entry: float | tuple[float, ...]) -> tuple[float, ...]:
+    """A ``stack_efficiency`` entry as a tuple by running requests (one number: any batch)."""
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
 @dataclass
 class Requests:
     """Every request of a run, by id."""
@@ -360,9 +365,8 @@ class Simulation:
         for i, k in enumerate(self.ks):
             row = eff[min(listed, key=lambda m: (abs(m - k), m))]
             for busy in range(1, replicas + 1):
-                entry = row[min(busy, len(row)) - 1]
-                by_batch = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-                table[i, busy, 1:] = [by_batch[min(b, len(by_batch)) - 1] for b in range(1, self.S + 1)]
+                e = by_batch(row[min(busy, len(row)) - 1])
+                table[i, busy, 1:] = [e[min(b, len(e)) - 1] for b in range(1, self.S + 1)]
         return table
 
     def tokens_between(self, t0: float, t1: float) -> float:

@@ -39,7 +39,7 @@ from serve_app.policy import raw_tier
 
 from .__main__ import load_policy
 from .curves import from_bench
-from .sim import ClosedLoop, SimOptions, Simulation
+from .sim import ClosedLoop, SimOptions, Simulation, by_batch
 
 ALIASES = {"auto": "dynamic", "static-spec": "spec", "static-off": "off"}
 
@@ -78,13 +78,13 @@ def stack_efficiency(rows: list[dict], curve, replicas: int,
 
 def efficiency_values(eff) -> list[float]:
     """Every number in a ``stack_efficiency`` mapping."""
-    return [x for row in (eff or {}).values() for e in row for x in (e if isinstance(e, (tuple, list)) else (e,))]
+    return [x for row in (eff or {}).values() for e in row for x in by_batch(e)]
 
 
 def describe_efficiency(eff) -> str:
     """One line: by num_steps, by busy replicas, by running requests where measured."""
-    fmt = lambda e: "/".join(f"{x:.3f}" for x in e) if isinstance(e, (tuple, list)) else f"{e:.3f}"  # noqa: E731
-    return "; ".join(f"k={k}: {', '.join(fmt(e) for e in row)}" for k, row in sorted(eff.items()))
+    return "; ".join(f"k={k}: {', '.join('/'.join(f'{x:.3f}' for x in by_batch(e)) for e in row)}"
+                     for k, row in sorted(eff.items()))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -225,8 +225,7 @@ def run(args: argparse.Namespace) -> int:
             "host_cores": args.host_cores,
             "host_ms_per_chunk": args.host_ms_per_chunk,
             "stack_efficiency_from": args.stack_efficiency_from,
-            "stack_efficiency": None if efficiency is None else {str(k): [list(e) if isinstance(e, tuple) else e for e in v]
-                                                                 for k, v in efficiency.items()},
+            "stack_efficiency": None if efficiency is None else {str(k): v for k, v in efficiency.items()},
             "settle_s": float(meta.get("settle_s") or 0.0),
             "stagger_s": float(meta.get("stagger_s") or 0.0),
             "worst_error": worst,
