@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-export SPECSERVE_SGLANG_WHEEL="${SPECSERVE_SGLANG_WHEEL:-$(PYTHON=.venv/bin/python .ci/fetch_sglang_wheel.sh)}"
+export SPECSERVE_WHEEL_CACHE="$(PYTHON=.venv/bin/python .ci/fetch_sglang_wheel.sh)"  # every supported sglang release, for the drift guard
 exec .venv/bin/python -m pytest "$@"

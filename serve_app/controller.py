@@ -46,6 +46,9 @@ class ReplicaReport:
     applied_version: int
     output_tokens_per_s: float = 0.0
     accept_rate: float = 0.0
+    active_num_steps: int | None = None
+    switch_failures: int = 0
+    last_switch_error: str | None = None
 
 
 @dataclass(slots=True)
@@ -223,11 +226,14 @@ class ControlLoop:
                 {
                     "id": r.replica_id,
                     "num_steps": r.num_steps,
+                    "active_num_steps": r.num_steps if r.active_num_steps is None else r.active_num_steps,
                     "applied_version": r.applied_version,
                     "waiting": r.waiting,
                     "running": r.running,
                     "output_tokens_per_s": r.output_tokens_per_s,
                     "accept_rate": r.accept_rate,
+                    "switch_failures": r.switch_failures,
+                    "last_switch_error": r.last_switch_error,
                     "report_age_s": round(now - r.time, 3),
                 }
                 for r in sorted(self.live_replicas(now), key=lambda r: r.replica_id)

@@ -112,7 +112,15 @@ class ReplicaMetrics:
     def __init__(self, app: str, replica: str):
         self._tags = {"app": app, "replica": replica}
         keys = ("app", "replica")
-        self.num_steps = Gauge("specserve_replica_num_steps", "Draft steps this replica's engine runs.", keys)
+        self.num_steps = Gauge("specserve_replica_num_steps", "Draft steps commanded to this replica's engine.", keys)
+        self.active_num_steps = Gauge(
+            "specserve_replica_active_num_steps",
+            "Draft steps this replica's engine ran in its last decode step (a local guard may run fewer).",
+            keys,
+        )
+        self.switch_failures = Counter(
+            "specserve_replica_switch_failures", "Mode switches the engine refused or did not answer in time.", keys
+        )
         self.waiting = Gauge("specserve_replica_waiting", "Requests waiting in this replica's engine.", keys)
         self.running = Gauge("specserve_replica_running", "Requests running in this replica's engine.", keys)
         self.ttft = Histogram(
@@ -133,13 +141,23 @@ class ReplicaMetrics:
         )
 
     def observe_load(
-        self, num_steps: int, waiting: int, running: int, output_tokens_per_s: float = 0.0, accept_rate: float = 0.0
+        self,
+        num_steps: int,
+        waiting: int,
+        running: int,
+        output_tokens_per_s: float = 0.0,
+        accept_rate: float = 0.0,
+        active_num_steps: int | None = None,
     ) -> None:
         self.num_steps.set(num_steps, self._tags)
+        self.active_num_steps.set(num_steps if active_num_steps is None else active_num_steps, self._tags)
         self.waiting.set(waiting, self._tags)
         self.running.set(running, self._tags)
         self.output_tokens_per_s.set(output_tokens_per_s, self._tags)
         self.accept_rate.set(accept_rate, self._tags)
+
+    def observe_switch_failure(self) -> None:
+        self.switch_failures.inc(1, self._tags)
 
     def observe_request(self, num_steps: int, ttft_s: float | None, tpot_s: float | None, output_tokens: int) -> None:
         tags = {"app": self._tags["app"], "num_steps": str(num_steps)}

@@ -55,6 +55,7 @@ class LLMReplica:
         self._metrics = replica_metrics(self._app, self._id)
         self._version, self._num_steps = -1, -1
         self._mode_lock = asyncio.Lock()
+        self._switch_failures, self._last_switch_error = 0, None
 
         self._engine = make_engine(engine)
         await self._engine.start()
@@ -82,7 +83,14 @@ class LLMReplica:
             if version <= self._version:
                 return self._version
             if num_steps != self._num_steps:
-                await self._engine.set_num_steps(num_steps)
+                try:
+                    await self._engine.set_num_steps(num_steps)
+                except Exception as e:  # keep serving in the last mode; the next broadcast or poll retries
+                    self._switch_failures += 1
+                    self._last_switch_error = f"{type(e).__name__}: {e}"
+                    self._metrics.observe_switch_failure()
+                    logger.warning("replica %s: switch to %d steps failed (%s)", self._id, num_steps, e)
+                    raise
             self._version, self._num_steps = version, num_steps
         if hasattr(self, "_tasks"):  # after start-up; the first report tells the controller
             self._controller.ack.remote(self._id, version)
@@ -112,6 +120,7 @@ class LLMReplica:
                     report["running"],
                     report["output_tokens_per_s"],
                     report["accept_rate"],
+                    report["active_num_steps"],
                 )
                 answer = await asyncio.wait_for(self._controller.report.remote(report), 4 * interval)
                 await self.apply_mode(*answer)
@@ -129,9 +138,12 @@ class LLMReplica:
             "waiting": load.waiting,
             "running": load.running,
             "num_steps": self._num_steps,
+            "active_num_steps": self._num_steps if load.active_num_steps is None else load.active_num_steps,
             "applied_version": self._version,
             "output_tokens_per_s": load.output_tokens_per_s,
             "accept_rate": load.accept_rate,
+            "switch_failures": self._switch_failures,
+            "last_switch_error": self._last_switch_error,
         }
 
     def info(self) -> dict:

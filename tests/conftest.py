@@ -165,13 +165,25 @@ def fresh_tiny_app(tiny_app):
     tiny_app.reset()
 
 
-@pytest.fixture(scope="module")
-def sglang_src():
-    """The pinned sglang wheel's unpacked source; a failure in CI, a skip elsewhere, if absent."""
-    from serve_app.engines.sglang.pinned import VERSION, WHEEL_ENV, source_tree
+def _sglang_releases() -> list[str]:
+    from serve_app.engines.sglang.compat import RELEASES
 
-    path = source_tree()
+    return sorted(RELEASES)
+
+
+@pytest.fixture(scope="module", params=_sglang_releases())
+def sglang_release(request) -> str:
+    """Each supported sglang release in turn (the tests that take it run once per release)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def sglang_src(sglang_release):
+    """That release's wheel source, unpacked; a failure in CI, a skip elsewhere, if absent."""
+    from serve_app.engines.sglang.pinned import source_tree
+
+    path = source_tree(sglang_release)
     if path is None:
-        reason = f"sglang {VERSION} wheel not found: run .ci/fetch_sglang_wheel.sh or set {WHEEL_ENV}"
+        reason = f"sglang {sglang_release} wheel not found: run .ci/fetch_sglang_wheel.sh"
         pytest.fail(reason) if os.environ.get("CI", "").lower() in ("true", "1") else pytest.skip(reason)
     return path

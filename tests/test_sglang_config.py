@@ -5,7 +5,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from serve_app.engines.sglang.config import SGLangOptions, adaptive_config, build_server_args
+from serve_app.engines.sglang.config import SGLangOptions, adaptive_config, build_server_args, local_context_length
 
 
 def options(tmp_path, **kw):
@@ -61,3 +61,35 @@ def test_options_that_would_break_the_switch_are_refused_with_the_reason(tmp_pat
 
 def test_harmless_values_of_refused_keys_are_allowed(tmp_path):
     options(tmp_path, extra_server_args={"attn_dp_size": 1, "enable_pdmux": False, "dp_size": 1})
+
+
+def write_config(folder, **config):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_draft_with_a_shorter_context_than_the_target_is_refused_with_what_to_do(tmp_path):
+    target = write_config(tmp_path / "target", max_position_embeddings=8192)
+    draft = write_config(tmp_path / "draft", max_position_embeddings=2048)
+    with pytest.raises(ValueError, match="context_length: 2048.*draft_context_overwrite: true"):
+        SGLangOptions(model_path=target, draft_model_path=draft, adaptive_config_dir=str(tmp_path))
+    # Either way out of it is accepted.
+    SGLangOptions(model_path=target, draft_model_path=draft, context_length=2048, adaptive_config_dir=str(tmp_path))
+    SGLangOptions(
+        model_path=target, draft_model_path=draft, draft_context_overwrite=True, adaptive_config_dir=str(tmp_path)
+    )
+    with pytest.raises(ValueError, match="context of 2048 tokens and the target runs 4096"):
+        SGLangOptions(model_path="org/hub-model", draft_model_path=draft, context_length=4096)
+
+
+def test_context_lengths_are_derived_as_sglang_derives_them(tmp_path):
+    assert local_context_length(write_config(tmp_path / "a", max_position_embeddings=2048, seq_length=4096)) == 4096
+    scaled = write_config(tmp_path / "b", max_position_embeddings=4096, rope_scaling={"type": "linear", "factor": 2.0})
+    assert local_context_length(scaled) == 8192
+    llama3 = {"rope_type": "llama3", "factor": 8.0}
+    assert (
+        local_context_length(write_config(tmp_path / "c", max_position_embeddings=131072, rope_scaling=llama3))
+        == 131072
+    )
+    assert local_context_length("meta-llama/Llama-3.3-70B-Instruct") is None  # a hub id: SGLang checks it at start

@@ -1,17 +1,21 @@
-"""SGLangEngine against a stand-in ``sglang`` module shaped as sglang 0.5.23's Engine
-(the shapes are pinned by tests/test_sglang_pinned.py; the real engine needs GPUs)."""
+"""SGLangEngine against a stand-in ``sglang`` module shaped as sglang's Engine, in the shapes
+of the oldest and the newest supported release (the shapes are pinned by
+tests/test_sglang_pinned.py; the real engine needs GPUs)."""
 
 import asyncio
+import json
 import sys
 import threading
+import time
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from serve_app.engines.base import EngineError, GenerateRequest, InvalidRequestError, SamplingParams
+from serve_app.engines.sglang import compat, plugin
 from serve_app.engines.sglang import engine as engine_mod
-from serve_app.engines.sglang import plugin
 from serve_app.engines.sglang.config import SGLangOptions
 
 
@@ -33,16 +37,25 @@ class FakeTokenizerManager:
 class FakeEngine:
     adaptive = True
     rpc_error: str | None = None
+    release = compat.RELEASES[compat.NEWEST]
+    hang: threading.Event | None = None  # set: collective_rpc blocks until the event is set
     last = None
 
     def __init__(self, **kwargs):
         self.kwargs, self.rpcs, self.stopped = kwargs, [], False
         self.tokenizer_manager = FakeTokenizerManager()
-        self.server_args = SimpleNamespace(resolved_dict=lambda: {"speculative_adaptive": FakeEngine.adaptive})
+        if FakeEngine.release.resolves_server_args:  # the raw field keeps the input
+            self.server_args = SimpleNamespace(
+                speculative_adaptive=True, resolved_dict=lambda: {"speculative_adaptive": FakeEngine.adaptive}
+            )
+        else:  # SGLang sets the field itself
+            self.server_args = SimpleNamespace(speculative_adaptive=FakeEngine.adaptive)
         FakeEngine.last = self
 
     def collective_rpc(self, method, **kwargs):
         self.rpcs.append((method, kwargs, threading.current_thread() is threading.main_thread()))
+        if FakeEngine.hang is not None:
+            FakeEngine.hang.wait()
         assert FakeEngine.rpc_error is None, FakeEngine.rpc_error
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream=False, rid=None):
@@ -70,13 +83,18 @@ class FakeEngine:
         self.stopped = True
 
 
-@pytest.fixture
-def sglang(monkeypatch, tmp_path):
+@pytest.fixture(params=[compat.OLDEST, compat.NEWEST])
+def sglang(request, monkeypatch, tmp_path):
+    release = compat.RELEASES[request.param]
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
     monkeypatch.setattr(engine_mod, "check_plugin_installed", lambda: None)
+    monkeypatch.setattr(compat, "installed", lambda: release)
+    monkeypatch.setattr(FakeEngine, "release", release)
     monkeypatch.setattr(FakeEngine, "adaptive", True)
     monkeypatch.setattr(FakeEngine, "rpc_error", None)
-    monkeypatch.setenv(plugin.ENABLE_ENV, "0")  # restored after the test; start() sets it to 1
+    monkeypatch.setattr(FakeEngine, "hang", None)
+    for env in (plugin.ENABLE_ENV, plugin.STATE_DIR_ENV):  # restored after the test; start() sets them
+        monkeypatch.setenv(env, "0")
     return SGLangOptions(
         model_path="m", draft_model_path="d", spec_max_batch_size=128, adaptive_config_dir=str(tmp_path)
     )
@@ -110,6 +128,22 @@ def test_start_fails_when_the_schedulers_lack_the_plugin(sglang, monkeypatch):
     assert FakeEngine.last.stopped
 
 
+def test_start_fails_before_loading_anything_on_an_unsupported_sglang(sglang, monkeypatch):
+    monkeypatch.setattr(compat, "installed", lambda: compat.release("0.5.16"))
+    FakeEngine.last = None
+    with pytest.raises(compat.UnsupportedSGLangError, match="supports sglang 0.5.17 through 0.5.23"):
+        started(sglang)
+    assert FakeEngine.last is None
+
+
+def test_versions_outside_the_range_are_refused_and_local_builds_are_read():
+    assert compat.release("0.5.17+cu130").controller_takes_policy is False
+    assert compat.release("0.5.23.post1").resolves_server_args is True
+    for bad in ("0.5.16", "0.5.24", "0.6.0", "nonsense"):
+        with pytest.raises(compat.UnsupportedSGLangError):
+            compat.release(bad)
+
+
 def test_start_fails_before_loading_anything_when_the_entry_point_is_missing(monkeypatch):
     monkeypatch.setattr(engine_mod, "entry_points", lambda group: [])
     with pytest.raises(EngineError, match="sglang.srt.plugins:specserve"):
@@ -120,7 +154,7 @@ def test_generate_streams_only_new_tokens_and_maps_the_finish_reason(sglang):
     eng, fake = started(sglang)
     request = GenerateRequest(
         "r1", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=3, stop=["\n"], seed=4)
-    )
+    )  # greedy: the seed changes nothing, so it is accepted
 
     async def collect():
         return [d async for d in eng.generate(request)]
@@ -153,6 +187,17 @@ def test_bad_parameters_raise_before_any_streaming(sglang):
         eng.generate(GenerateRequest("r", prompt=""))
 
 
+def test_a_seed_on_a_sampled_request_is_refused_unless_sglang_runs_deterministic(sglang, tmp_path):
+    eng, _ = started(sglang)
+    seeded = GenerateRequest("r", prompt="hi", params=SamplingParams(temperature=0.8, seed=7))
+    with pytest.raises(InvalidRequestError, match="enable_deterministic_inference") as err:
+        eng.generate(seeded)
+    assert err.value.param == "seed"
+    deterministic = sglang.model_copy(update={"extra_server_args": {"enable_deterministic_inference": True}})
+    eng, _ = started(deterministic)
+    assert eng.generate(seeded) is not None
+
+
 def test_a_dropped_stream_aborts_its_request(sglang):
     eng, fake = started(sglang)
 
@@ -174,11 +219,47 @@ def test_set_num_steps_sends_the_command_and_refuses_unknown_step_counts(sglang)
         asyncio.run(eng.set_num_steps(4))
 
 
-def test_load_comes_from_sglangs_load_snapshot(sglang):
+def test_load_takes_the_queue_from_sglang_and_the_steps_run_and_recent_acceptance_from_the_plugin(sglang):
     eng, _ = started(sglang)
     load = eng.load()
     assert (load.waiting, load.running, load.output_tokens_per_s) == (7, 30, 812.5)
-    assert (load.accept_rate, load.mean_accepted_len) == (0.6, 2.8)
+    assert (load.active_num_steps, load.accept_rate) == (5, 0.0)  # nothing published yet: the command
+    # What a scheduler's policy publishes (tests/test_sglang_policy.py writes it through the real controller).
+    state = {
+        "time": time.time(),
+        "commanded": 5,
+        "active": 0,
+        "window_s": 5.0,
+        "recent": {"verified": 10, "proposed": 50, "accepted": 20},
+    }
+    (Path(eng._state_dir) / "123.json").write_text(json.dumps(state))
+    load = eng.load()
+    assert (load.num_steps, load.active_num_steps) == (5, 0)  # the guard ran 0 steps
+    assert (load.accept_rate, load.mean_accepted_len) == (0.4, 2.0)
+    state["time"] -= 60  # nothing verified for a minute: no recent acceptance
+    (Path(eng._state_dir) / "123.json").write_text(json.dumps(state))
+    assert eng.load().accept_rate == 0.0
+
+
+def test_a_switch_whose_rpc_hangs_times_out_and_the_engine_keeps_its_steps(sglang):
+    eng, fake = started(sglang.model_copy(update={"rpc_timeout_s": 0.2}))
+    FakeEngine.hang = threading.Event()
+
+    async def scenario():
+        with pytest.raises(engine_mod.SwitchTimeoutError, match="did not answer"):
+            await eng.set_num_steps(0)
+        assert eng.load().num_steps == 5  # still the last step count
+        deltas = [d async for d in eng.generate(GenerateRequest("r", prompt="hi"))]  # still serving
+        assert deltas[-1].finish_reason == "length"
+        with pytest.raises(engine_mod.SwitchTimeoutError, match="still unanswered"):
+            await eng.set_num_steps(0)  # the stuck call still owns the socket: no second call starts
+        assert len(fake.rpcs) == 2  # the start-up command and the stuck one
+        FakeEngine.hang.set()  # the scheduler answers at last
+        FakeEngine.hang = None
+        await eng.set_num_steps(0)  # the retry goes through
+        assert eng.load().num_steps == 0 and len(fake.rpcs) == 3
+
+    asyncio.run(scenario())
 
 
 def test_shutdown_aborts_running_requests_and_stops_sglang(sglang):

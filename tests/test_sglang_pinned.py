@@ -1,7 +1,8 @@
-"""Drift guard: what we use of SGLang exists in the pinned wheel, as we use it.
+"""Drift guard: what we use of SGLang exists in every supported release's wheel, as we use it.
 
-The wheel comes from .ci/fetch_sglang_wheel.sh (or $SPECSERVE_SGLANG_WHEEL). In CI (CI=true)
-a missing wheel fails these tests; elsewhere they skip and say how to fetch it.
+The wheels come from .ci/fetch_sglang_wheel.sh (.ci/sglang_wheels.txt lists them). Each test
+that takes ``sglang_src`` runs once per release. In CI (CI=true) a missing wheel fails these
+tests; elsewhere they skip and say how to fetch it.
 """
 
 import ast
@@ -13,17 +14,15 @@ from pathlib import Path
 import pytest
 
 from serve_app.engines.sglang import plugin, policy
+from serve_app.engines.sglang.compat import RELEASES
 from serve_app.engines.sglang.config import SGLangOptions, build_server_args
 from serve_app.engines.sglang.pinned import (
-    VERSION,
-    WHEEL_ENV,
+    WHEEL_LIST,
     check_server_args,
     check_symbols,
     server_arg_types,
     sglang_modules,
 )
-
-
 
 
 def option_variants(tmp_path):
@@ -43,33 +42,57 @@ def option_variants(tmp_path):
     )
 
 
-def test_every_sglang_symbol_we_rely_on_is_in_the_pinned_wheel(sglang_src):
-    problems = check_symbols(sglang_src)
-    assert not problems, f"sglang {VERSION} no longer matches what specserve uses:\n  " + "\n  ".join(problems)
+def test_every_sglang_symbol_we_rely_on_is_in_each_supported_wheel(sglang_src, sglang_release):
+    problems = check_symbols(sglang_src, sglang_release)
+    assert not problems, f"sglang {sglang_release} no longer matches what specserve uses:\n  " + "\n  ".join(problems)
 
 
-def test_the_drift_guard_names_a_symbol_whose_signature_moved(sglang_src, tmp_path):
+def test_the_wheel_list_holds_exactly_the_supported_releases():
+    listed = [line.split()[0] for line in WHEEL_LIST.read_text().splitlines() if line and not line.startswith("#")]
+    assert listed == sorted(RELEASES)
+
+
+def test_the_drift_guard_names_a_symbol_whose_signature_moved(sglang_src, sglang_release, tmp_path):
     moved = tmp_path / "sglang/srt/speculative/adaptive_runtime_state.py"
     moved.parent.mkdir(parents=True)
     shutil.copy(sglang_src / "sglang/srt/speculative/adaptive_runtime_state.py", moved)
-    moved.write_text(
-        moved.read_text().replace(
-            "def get_steps_for_batch(self, batch_size: int)", "def get_steps_for_batch(self, batch)"
-        )
-    )
-    problems = check_symbols(tmp_path)
-    assert any("AdaptiveSpecPolicy.get_steps_for_batch" in p and "('self', 'batch')" in p for p in problems)
+    text = moved.read_text()
+    moved.write_text(text.replace("self.params.get_steps_for_batch(batch_size)", "self.params.steps(batch_size)"))
+    problems = check_symbols(tmp_path, sglang_release)
+    assert any("activate_step_by_batch" in p and "no longer contains" in p for p in problems)
     assert any("eagle_worker_v2.py" in p and "file is gone" in p for p in problems)
 
 
-def test_our_policy_has_every_method_of_the_policy_protocol_in_the_wheel(sglang_src):
-    tree = ast.parse((sglang_src / "sglang/srt/speculative/adaptive_runtime_state.py").read_text())
-    protocol = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AdaptiveSpecPolicy")
-    for method in (n for n in protocol.body if isinstance(n, ast.FunctionDef)):
+def test_a_release_whose_controller_changed_how_it_takes_its_policy_is_caught(sglang_src, sglang_release, tmp_path):
+    """Each release's controller is checked for the shape compat.RELEASES says it has."""
+    src = tmp_path / "sglang/srt/speculative/adaptive_runtime_state.py"
+    src.parent.mkdir(parents=True)
+    text = (sglang_src / "sglang/srt/speculative/adaptive_runtime_state.py").read_text()
+    if RELEASES[sglang_release].controller_takes_policy:
+        text = text.replace("policy: AdaptiveSpecPolicy,", "config_path: str | None = None,")
+    else:
+        text = text.replace("config_path: str | None = None", "policy")
+    src.write_text(text)
+    problems = check_symbols(tmp_path, sglang_release)
+    assert any("AdaptiveController.__init__" in p and "parameters are" in p for p in problems), problems
+
+
+def test_our_policy_has_every_method_of_the_policy_the_controller_calls(sglang_src, sglang_release):
+    """From 0.5.20 the protocol AdaptiveSpecPolicy; before, SGLang's own AdaptiveSpeculativeParams."""
+    if RELEASES[sglang_release].controller_takes_policy:
+        module, name = "adaptive_runtime_state.py", "AdaptiveSpecPolicy"
+    else:
+        module, name = "adaptive_spec_params.py", "AdaptiveSpeculativeParams"
+    tree = ast.parse((sglang_src / "sglang/srt/speculative" / module).read_text())
+    protocol = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    public = [n for n in protocol.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+    assert len(public) == 5, [n.name for n in public]
+    for method in public:
         ours = inspect.getattr_static(policy.CommandedStepsPolicy, method.name)
         expected = [a.arg for a in method.args.args]
         if isinstance(ours, property):
-            assert any(isinstance(d, ast.Name) and d.id == "property" for d in method.decorator_list), method.name
+            decorators = {getattr(d, "id", None) for d in method.decorator_list}
+            assert decorators & {"property", "cached_property"}, method.name
             ours = ours.fget
         assert list(inspect.signature(ours).parameters) == expected, method.name
 
@@ -91,16 +114,16 @@ def test_every_server_argument_we_pass_is_a_field_of_that_type_in_the_wheel_sour
 def test_a_wrong_type_or_an_unknown_server_argument_is_reported(sglang_src):
     problems = check_server_args({"tp_size": "8", "speculative_adaptiv": True}, server_arg_types(sglang_src))
     assert problems[0].startswith("tp_size='8': not a int")
-    assert problems[1] == f"speculative_adaptiv: not a ServerArgs field of sglang {VERSION}"
+    assert problems[1] == "speculative_adaptiv: not a ServerArgs field"
 
 
-def test_server_arguments_against_the_real_ServerArgs_when_it_imports(sglang_src, tmp_path):
+def test_server_arguments_against_the_real_ServerArgs_when_it_imports(sglang_src, sglang_release, tmp_path):
     with sglang_modules(sglang_src):
         try:
             from sglang.srt.server_args import ServerArgs
         except ImportError as e:
             pytest.skip(
-                f"sglang {VERSION}'s ServerArgs imports without CUDA but needs msgspec, orjson, pybase64, "
+                f"sglang {sglang_release}'s ServerArgs imports without CUDA but needs msgspec, orjson, pybase64, "
                 f"pyzmq and triton, not installed here ({e}); the wheel-source test above covers it"
             )
         hints = typing.get_type_hints(ServerArgs)
@@ -110,15 +133,16 @@ def test_server_arguments_against_the_real_ServerArgs_when_it_imports(sglang_src
             assert check_server_args(kwargs, hints) == []
 
 
-def test_the_fetch_script_and_the_tests_agree_on_where_the_wheel_is(tmp_path, monkeypatch):
+def test_the_fetch_script_and_the_tests_agree_on_where_the_wheels_are(tmp_path, monkeypatch):
     import subprocess
 
     from serve_app.engines.sglang.pinned import CACHE_ENV, find_wheel
 
-    cached = tmp_path / f"sglang-{VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
-    cached.write_bytes(b"")  # present: the script must not download
+    names = [line.split()[1] for line in WHEEL_LIST.read_text().splitlines() if line and not line.startswith("#")]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")  # present: the script must not download
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    monkeypatch.delenv(WHEEL_ENV, raising=False)
     script = Path(__file__).resolve().parents[1] / ".ci/fetch_sglang_wheel.sh"
     out = subprocess.run([str(script)], capture_output=True, text=True, check=True).stdout.strip()
-    assert Path(out) == cached == find_wheel()
+    assert Path(out) == tmp_path
+    assert [find_wheel(v).name for v in sorted(RELEASES)] == names

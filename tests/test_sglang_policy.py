@@ -1,9 +1,11 @@
-"""The plugin's policy and hooks, driven by SGLang's real AdaptiveController from the pinned wheel.
+"""The plugin's policy and hooks, driven by each supported release's real AdaptiveController.
 
-adaptive_runtime_state.py imports nothing at run time, so the real controller runs here.
-SGLang's own policy (AdaptiveSpeculativeParams) needs msgspec, orjson, pybase64, pyzmq and
-triton to import: with them its test runs too, without them it says so and the tests use a
-stand-in shaped as the wheel's AdaptiveSpecPolicy protocol.
+From 0.5.20 adaptive_runtime_state.py imports nothing at run time, so the real controller runs
+here as it is; the plugin hands it our policy in place of SGLang's. Up to 0.5.19 the
+controller builds SGLang's own policy (AdaptiveSpeculativeParams, which reads our adaptive
+config) and the plugin replaces it afterwards: that module imports only
+``sglang.srt.utils.log_info_on_rank0`` of SGLang's runtime, which a one-function stand-in
+provides (the real utils module pulls in CUDA libraries).
 """
 
 import ast
@@ -14,21 +16,34 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.engines.sglang import plugin
+from serve_app.engines.sglang import compat, plugin
 from serve_app.engines.sglang.config import SGLangOptions, write_adaptive_config
 from serve_app.engines.sglang.pinned import sglang_modules
-from serve_app.engines.sglang.policy import CommandedStepsPolicy
+from serve_app.engines.sglang.policy import CommandedStepsPolicy, StatePublisher, read_states
 
 
+def runtime_stand_ins() -> None:
+    """The two names of SGLang's runtime that adaptive_spec_params imports and its policy class
+    never calls into CUDA through: a log helper, and (0.5.19) the server-args views that only
+    ``adaptive_unsupported_reason`` uses."""
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.log_info_on_rank0 = lambda logger, msg: logger.info(msg)
+    overrides = types.ModuleType("sglang.srt.arg_groups.overrides")
+    overrides.resolved_view = overrides.resolving_view = lambda server_args: server_args
+    sys.modules.update({utils.__name__: utils, overrides.__name__: overrides})
 
 
 @pytest.fixture
-def sgl(sglang_src, monkeypatch):
-    """The wheel's adaptive_runtime_state module (fresh per test, so patches die with it)."""
+def sgl(sglang_src, sglang_release, monkeypatch, tmp_path):
+    """The wheel's adaptive_runtime_state module (fresh per test, so patches die with it), with
+    the release and a folder for the adaptive config."""
     monkeypatch.setattr(plugin, "policies", [])
     with sglang_modules(sglang_src):
+        runtime_stand_ins()
         from sglang.srt.speculative import adaptive_runtime_state
 
+        adaptive_runtime_state.release = compat.RELEASES[sglang_release]
+        adaptive_runtime_state.tmp = tmp_path
         yield adaptive_runtime_state
 
 
@@ -50,13 +65,24 @@ class Worker:
         self.speculative_num_steps = state.speculative_num_steps
 
 
+def new_controller(sgl, worker, steps=(0, 3, 5)):
+    """A controller built as the release's EAGLEWorkerV2 builds it, with the plugin's hook in."""
+    plugin.install_policy_hook(sgl.AdaptiveController, sgl.release)
+    opts = SGLangOptions(
+        model_path="m", draft_model_path="d", candidate_steps=list(steps), adaptive_config_dir=str(sgl.tmp)
+    )
+    if sgl.release.controller_takes_policy:  # SGLang passes its policy; the hook reads its candidates
+        return sgl.AdaptiveController(worker, SimpleNamespace(candidate_steps=list(opts.candidate_steps)))
+    return sgl.AdaptiveController(worker, config_path=str(write_adaptive_config(opts)))
+
+
 def started(sgl, steps=(0, 3, 5), initial=5, cuda_graph_bs=(1, 2, 4, 8, 16)):
     """A controller as EAGLEWorkerV2 starts it: register the initial state, then init_states."""
-    worker, policy = Worker(initial), CommandedStepsPolicy(list(steps), initial)
-    controller = sgl.AdaptiveController(worker, policy)
+    worker = Worker(initial)
+    controller = new_controller(sgl, worker, steps)
     controller.register(SimpleNamespace(speculative_num_steps=initial))
     controller.init_states(cuda_graph_bs=list(cuda_graph_bs))
-    return worker, policy, controller
+    return worker, controller.params, controller
 
 
 def test_the_controller_builds_every_step_count_for_every_cuda_graph_batch_size(sgl):
@@ -105,18 +131,37 @@ def test_a_step_count_outside_the_candidates_is_refused():
 
 
 def test_the_plugin_hook_gives_each_controller_our_policy_and_the_rpc_commands_it(sgl):
-    plugin.install_policy_hook(sgl.AdaptiveController)
-    plugin.install_policy_hook(sgl.AdaptiveController)  # idempotent
+    plugin.install_policy_hook(sgl.AdaptiveController, sgl.release)  # idempotent: new_controller installs again
     worker = Worker(5)
-    sglang_policy = SimpleNamespace(candidate_steps=[0, 3, 5])  # what the hook reads of SGLang's policy
-    controller = sgl.AdaptiveController(worker, sglang_policy)
+    controller = new_controller(sgl, worker)
     assert isinstance(controller.params, CommandedStepsPolicy) and plugin.policies == [controller.params]
+    assert controller.candidate_steps == [0, 3, 5]
     controller.register(SimpleNamespace(speculative_num_steps=5))
     controller.init_states(cuda_graph_bs=[1, 2])
 
     plugin.specserve_set_num_steps(scheduler=None, num_steps=0, max_batch_size=0)
     controller.activate_step_by_batch(2)
     assert worker.speculative_num_steps == 0 and controller.params.max_batch_size is None
+
+
+def test_the_hook_refuses_a_controller_shaped_for_another_release(sgl):
+    other = compat.Release("x", not sgl.release.controller_takes_policy, sgl.release.resolves_server_args)
+    with pytest.raises(compat.UnsupportedSGLangError, match="AdaptiveController.__init__"):
+        plugin.install_policy_hook(sgl.AdaptiveController, other)
+
+
+def test_each_policy_publishes_the_steps_it_runs_and_its_recent_acceptance(sgl, tmp_path, monkeypatch):
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    monkeypatch.setenv(plugin.STATE_DIR_ENV, str(state_dir))
+    worker, policy, controller = started(sgl)
+    policy.command(3, max_batch_size=16)
+    controller.activate_step_by_batch(8)
+    controller.on_verify_complete([3, 1, 2, 0], batch_size=8)
+    controller.activate_step_by_batch(32)  # above the guard: 0 steps run, published at once
+    (state,) = read_states(state_dir)
+    assert (state["commanded"], state["active"], state["last_batch_size"]) == (3, 0, 32)
+    assert state["recent"] == {"verified": 4, "proposed": 12, "accepted": 6}
 
 
 def test_the_rpc_fails_with_a_reason_when_no_adaptive_controller_was_built(monkeypatch):
@@ -132,9 +177,11 @@ def test_register_does_nothing_unless_the_engine_enabled_it(monkeypatch):
     assert "sglang" not in sys.modules
 
 
-def test_register_adds_the_scheduler_method_and_the_policy_hook(sglang_src, monkeypatch):
+def test_register_adds_the_scheduler_method_and_the_policy_hook(sglang_src, sglang_release, monkeypatch):
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
+    monkeypatch.setattr(compat, "installed", lambda: compat.RELEASES[sglang_release])
     with sglang_modules(sglang_src):
+        runtime_stand_ins()
         # The real scheduler module needs CUDA libraries; a stand-in takes the method.
         scheduler_module = types.ModuleType("sglang.srt.managers.scheduler")
         scheduler_module.Scheduler = type("Scheduler", (), {})
@@ -167,27 +214,9 @@ def test_sglang_reads_our_adaptive_config_as_exactly_our_candidate_steps(sglang_
     assert load_config_reader(sglang_src)(str(write_adaptive_config(opts))) == [0, 2, 5]
 
 
-def test_with_sglangs_real_policy_class_when_it_imports(sglang_src, tmp_path, monkeypatch):
-    monkeypatch.setattr(plugin, "policies", [])
-    with sglang_modules(sglang_src):
-        try:
-            from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
-        except ImportError as e:
-            pytest.skip(
-                f"AdaptiveSpeculativeParams needs msgspec, orjson, pybase64, pyzmq and triton to import "
-                f"(not CUDA); not installed here ({e}); tested against the wheel's protocol instead"
-            )
-        from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
-
-        opts = SGLangOptions(model_path="m", draft_model_path="d", adaptive_config_dir=str(tmp_path))
-        plugin.install_policy_hook(AdaptiveController)
-        worker = Worker(opts.start_steps)
-        controller = AdaptiveController(
-            worker, AdaptiveSpeculativeParams(opts.start_steps, str(write_adaptive_config(opts)))
-        )
-        assert controller.params.candidate_steps == [0, 3, 5]
-        controller.register(SimpleNamespace(speculative_num_steps=5))
-        controller.init_states(cuda_graph_bs=[1, 8, 64])
-        plugin.specserve_set_num_steps(None, num_steps=3)
-        controller.activate_step_by_batch(64)
-        assert worker.speculative_num_steps == 3
+def test_a_publisher_that_cannot_write_never_breaks_the_scheduler(tmp_path):
+    publisher = StatePublisher(tmp_path / "missing-folder")
+    policy = CommandedStepsPolicy([0, 3], 3, publisher)
+    assert policy.get_steps_for_batch(4) == 3  # the write fails, logged once; the decode batch goes on
+    policy.command(0)
+    assert policy.get_steps_for_batch(4) == 0

@@ -1,14 +1,13 @@
-"""configs/prod.yaml end to end: Ray's schema, AppArgs, our SGLang arguments against the pinned
-wheel; and the KubeRay RayService carries the same serve config."""
+"""configs/prod.yaml end to end: Ray's schema, AppArgs, our SGLang arguments against every
+supported release's wheel; and the KubeRay RayService carries the same serve config."""
 
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 
 from serve_app.engines.sglang.config import SGLangOptions, build_server_args
-from serve_app.engines.sglang.pinned import VERSION, WHEEL_ENV, check_server_args, server_arg_types, source_tree
+from serve_app.engines.sglang.pinned import check_server_args, server_arg_types
 
 ROOT = Path(__file__).resolve().parents[1]
 PROD = ROOT / "configs" / "prod.yaml"
@@ -32,15 +31,11 @@ def test_prod_yaml_is_a_valid_serve_config_with_valid_app_args(prod):
     assert args.engine.backend == "sglang" and isinstance(args.engine.sglang, SGLangOptions)
 
 
-def test_prod_sglang_arguments_exist_in_the_pinned_sglang_with_our_types(prod, tmp_path):
-    src = source_tree()
-    if src is None:
-        reason = f"sglang {VERSION} wheel not found: run .ci/fetch_sglang_wheel.sh or set {WHEEL_ENV}"
-        pytest.fail(reason) if os.environ.get("CI", "").lower() in ("true", "1") else pytest.skip(reason)
+def test_prod_sglang_arguments_exist_in_every_supported_sglang_with_our_types(prod, sglang_src, tmp_path):
     opts = SGLangOptions.model_validate(
         {**prod["applications"][0]["args"]["engine"]["sglang"], "adaptive_config_dir": str(tmp_path)}
     )
-    assert check_server_args(build_server_args(opts), server_arg_types(src)) == []
+    assert check_server_args(build_server_args(opts), server_arg_types(sglang_src)) == []
 
 
 def test_the_replica_holds_as_many_gpus_as_the_tensor_parallel_width(prod):

@@ -105,6 +105,9 @@ class EngineLoad:
     accept_rate: float
     num_steps: int
     mean_accepted_len: float = 0.0
+    active_num_steps: int | None = None
+    """The draft steps the engine's last decode step really ran, where that can differ from the
+    commanded ``num_steps`` (a local guard); None: the same as ``num_steps``."""
 
 
 @runtime_checkable

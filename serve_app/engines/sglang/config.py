@@ -83,6 +83,17 @@ class SGLangOptions(BaseModel):
     context_length: int | None = Field(default=None, ge=1)
     max_running_requests: int | None = Field(default=None, ge=1)
     enable_metrics: bool = True
+    rpc_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a switch waits for SGLang's schedulers; past it the engine keeps its last "
+        "step count, the failure is counted and the next broadcast retries.",
+    )
+    draft_context_overwrite: bool = Field(
+        default=False,
+        description="Let SGLang run the draft past its own max_position_embeddings when the target's "
+        "context is longer (sets SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in the engine's processes).",
+    )
     adaptive_config_dir: str | None = Field(
         default=None, description="Where the adaptive-config JSON is written; default a folder under the temp dir."
     )
@@ -108,7 +119,27 @@ class SGLangOptions(BaseModel):
                 raise ValueError(f"extra_server_args.{key}: set by specserve; use the option of that name instead")
             if key in _REFUSED_EXTRA and not _is_off(value):
                 raise ValueError(f"extra_server_args.{key}={value!r}: {_REFUSED_EXTRA[key]}")
+        self._check_draft_context()
         return self
+
+    def _check_draft_context(self) -> None:
+        """SGLang gives the draft the target's context length and refuses to start when the
+        draft's own is shorter (configs/model_config.py ``_derive_context_length``). Checked
+        here, where both models are local folders, so the YAML fails before any GPU work."""
+        draft = local_context_length(self.draft_model_path)
+        target = self.context_length or local_context_length(self.model_path)
+        if draft is None or target is None or target <= draft or self.draft_context_overwrite:
+            return
+        raise ValueError(
+            f"the draft {self.draft_model_path} has a context of {draft} tokens and the target runs {target}: "
+            f"SGLang refuses to start so. Set context_length: {draft} (or less), or draft_context_overwrite: true "
+            "to let the draft run past its trained length (acceptance may fall on long contexts)"
+        )
+
+    @property
+    def deterministic(self) -> bool:
+        """SGLang honours a request's seed only with deterministic inference on."""
+        return bool(self.extra_server_args.get("enable_deterministic_inference"))
 
     @property
     def start_steps(self) -> int:
@@ -125,6 +156,35 @@ class SGLangOptions(BaseModel):
         """``speculative_num_draft_tokens``: with topk 1 the draft is a chain, steps + 1 tokens
         (SGLang's adaptive mode derives the same value and overrides anything else)."""
         return self.start_steps + 1
+
+
+# SGLang's CONTEXT_LENGTH_KEYS (srt/utils/hf_transformers/common.py), first found wins.
+_CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
+
+
+def local_context_length(model_path: str) -> int | None:
+    """The context length SGLang derives from a local model folder's config.json
+    (``get_context_length``: the first context key, times a plain rope-scaling factor);
+    None for a hub id or an unreadable config."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    rope = config.get("rope_scaling") or {}
+    factor = rope.get("factor", 1)
+    if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3":
+        factor = 1
+    for key in _CONTEXT_LENGTH_KEYS:
+        if config.get(key) is not None:
+            return int(factor * config[key])
+    return 2048
 
 
 def adaptive_config(opts: SGLangOptions) -> dict:

@@ -9,8 +9,12 @@ per TP rank inside it. The speculation depth is switched by the specserve plugin
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+import shutil
+import tempfile
+import time
 from collections.abc import AsyncIterator
 from importlib.metadata import entry_points
 from typing import Any
@@ -23,12 +27,18 @@ from serve_app.engines.base import (
     SamplingParams,
     TokenDelta,
 )
-from serve_app.engines.sglang import plugin
+from serve_app.engines.sglang import compat, plugin
 from serve_app.engines.sglang.config import SGLangOptions, build_server_args
+from serve_app.engines.sglang.policy import read_states
 
 logger = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class SwitchTimeoutError(EngineError):
+    """SGLang's schedulers did not answer a switch within ``rpc_timeout_s``; the engine keeps
+    running its last step count."""
 
 
 class SGLangEngine:
@@ -36,21 +46,35 @@ class SGLangEngine:
 
     def __init__(self, opts: SGLangOptions):
         self.opts = opts
+        self.release: compat.Release | None = None
         self._engine: Any = None
         self._num_steps = opts.start_steps
         self._rpc_lock = asyncio.Lock()
+        # collective_rpc has no timeout: a call that timed out may still be blocked in its ZMQ
+        # receive. It owns the socket until it returns, so no second call may start before.
+        self._rpc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-rpc")
+        self._rpc_pending: concurrent.futures.Future | None = None
+        self._state_dir: str | None = None
         self._closing = False
 
     async def start(self) -> None:
         check_plugin_installed()
+        self.release = compat.installed()  # before any weights load: a clear error names the range
         kwargs = build_server_args(self.opts)
-        os.environ[plugin.ENABLE_ENV] = "1"  # inherited by the scheduler processes SGLang spawns
+        self._state_dir = tempfile.mkdtemp(
+            prefix="specserve-sglang-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        )
+        # Inherited by the scheduler processes SGLang spawns.
+        os.environ[plugin.ENABLE_ENV] = "1"
+        os.environ[plugin.STATE_DIR_ENV] = self._state_dir
+        if self.opts.draft_context_overwrite:
+            os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
         import sglang  # noqa: PLC0415 - needs CUDA; only on GPU machines
 
         # Loads weights and captures CUDA graphs for every candidate step count: minutes.
         self._engine = await asyncio.to_thread(sglang.Engine, **kwargs)
         try:
-            check_adaptive_active(self._engine.server_args)
+            check_adaptive_active(self._engine.server_args, self.release)
             await self.set_num_steps(self._num_steps)  # also proves the plugin runs in the schedulers
         except Exception:
             await asyncio.to_thread(self._engine.shutdown)
@@ -61,6 +85,12 @@ class SGLangEngine:
         request.params.validate()  # InvalidRequestError here, before any streaming
         if request.prompt_token_ids is None and not request.prompt:
             raise InvalidRequestError("a prompt or prompt_token_ids is required", "prompt")
+        if request.params.seed is not None and request.params.temperature > 0 and not self.opts.deterministic:
+            raise InvalidRequestError(
+                "seed is not honoured by this SGLang engine: SGLang samples with a per-request seed only "
+                "with deterministic inference on (engine.sglang.extra_server_args.enable_deterministic_inference)",
+                "seed",
+            )
         if self._engine is None or self._closing:
             raise EngineError("the SGLang engine is not running")
         return self._stream(request)
@@ -92,28 +122,57 @@ class SGLangEngine:
         if self._engine is None:
             raise EngineError("the SGLang engine is not running")
         guard = self.opts.spec_max_batch_size or 0
+        timeout = self.opts.rpc_timeout_s
         async with self._rpc_lock:  # one ZMQ socket: one RPC at a time
+            if self._rpc_pending is not None and not self._rpc_pending.done():
+                try:  # the last call that timed out still holds the socket: give it one more timeout
+                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._rpc_pending)), timeout)
+                except TimeoutError:
+                    raise SwitchTimeoutError(
+                        f"the previous {plugin.RPC_METHOD} call is still unanswered after a further {timeout:g} s; "
+                        f"staying at num_steps={self._num_steps}"
+                    ) from None
+                except Exception:  # its late failure was already reported as a timeout
+                    pass
+            # A blocking send/recv plus a barrier on every TP rank: keep it off the event loop.
+            self._rpc_pending = self._rpc_pool.submit(
+                self._engine.collective_rpc, plugin.RPC_METHOD, num_steps=num_steps, max_batch_size=guard
+            )
             try:
-                # A blocking send/recv plus a barrier on every TP rank: keep it off the event loop.
-                await asyncio.to_thread(
-                    self._engine.collective_rpc, plugin.RPC_METHOD, num_steps=num_steps, max_batch_size=guard
-                )
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._rpc_pending)), timeout)
+            except TimeoutError:
+                raise SwitchTimeoutError(
+                    f"SGLang's schedulers did not answer {plugin.RPC_METHOD}({num_steps}) within {timeout:g} s "
+                    f"(rpc_timeout_s); staying at num_steps={self._num_steps}"
+                ) from None
             except AssertionError as e:  # collective_rpc asserts success with the scheduler's message
                 raise EngineError(f"SGLang schedulers refused {plugin.RPC_METHOD}({num_steps}): {e}") from e
         self._num_steps = num_steps
 
     def load(self) -> EngineLoad:
+        """Queue and throughput from SGLang's load snapshot (shared memory, no scheduler
+        round-trip); the steps run and recent acceptance from the plugin's published state."""
         reader = getattr(getattr(self._engine, "tokenizer_manager", None), "load_snapshot_reader", None)
-        snapshots = reader.read_all() if reader is not None else []  # shared memory, no scheduler round-trip
-        spec = [s.speculative for s in snapshots if s.speculative is not None]
+        snapshots = reader.read_all() if reader is not None else []
+        running = sum(s.num_running_reqs for s in snapshots)
+        state = self.policy_states()[:1]
+        now = time.time()
+        recent = state[0]["recent"] if state and now - state[0]["time"] <= state[0]["window_s"] else {}
+        verified, proposed, accepted = (recent.get(k, 0) for k in ("verified", "proposed", "accepted"))
+        runs = state[0]["active"] if state and running else self._num_steps  # idle: the next batch runs the command
         return EngineLoad(
             waiting=sum(s.num_waiting_reqs for s in snapshots),
-            running=sum(s.num_running_reqs for s in snapshots),
+            running=running,
             output_tokens_per_s=float(sum(s.gen_throughput for s in snapshots)),
-            accept_rate=sum(m.accept_rate for m in spec) / len(spec) if spec else 0.0,
+            accept_rate=accepted / proposed if proposed else 0.0,
             num_steps=self._num_steps,
-            mean_accepted_len=sum(m.accept_length for m in spec) / len(spec) if spec else 0.0,
+            mean_accepted_len=accepted / verified if verified else 0.0,
+            active_num_steps=runs,
         )
+
+    def policy_states(self) -> list[dict]:
+        """What each scheduler's policy published (one per TP rank), freshest first."""
+        return read_states(self._state_dir) if self._state_dir else []
 
     async def shutdown(self) -> None:
         if self._engine is None:
@@ -123,6 +182,9 @@ class SGLangEngine:
         await asyncio.sleep(0.2)  # let the abort outputs reach the streams
         await asyncio.to_thread(self._engine.shutdown)
         self._engine = None
+        self._rpc_pool.shutdown(wait=False, cancel_futures=True)
+        if self._state_dir:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
 
 
 def sampling_dict(params: SamplingParams) -> dict[str, Any]:
@@ -135,7 +197,7 @@ def sampling_dict(params: SamplingParams) -> dict[str, Any]:
     }
     if params.stop:
         out["stop"] = list(params.stop)
-    if params.seed is not None:
+    if params.seed is not None:  # honoured only with deterministic inference (generate() refuses it otherwise)
         out["sampling_seed"] = params.seed
     return out
 
@@ -168,10 +230,15 @@ def check_plugin_installed() -> None:
         raise EngineError(f"SGLANG_PLUGINS={allowed!r} excludes the {ours[0].name!r} plugin")
 
 
-def check_adaptive_active(server_args: Any) -> None:
+def check_adaptive_active(server_args: Any, release: compat.Release) -> None:
     """SGLang turns --speculative-adaptive off with only a log warning (topk > 1, attention DP,
-    two-batch overlap, pdmux, ...). The raw field keeps the input; the resolved one tells."""
-    if server_args.resolved_dict().get("speculative_adaptive"):
+    two-batch overlap, pdmux, ...). From 0.5.19 the raw field keeps the input and the resolved
+    view tells; before, SGLang sets the field itself."""
+    if release.resolves_server_args:
+        on = server_args.resolved_dict().get("speculative_adaptive")
+    else:
+        on = server_args.speculative_adaptive
+    if on:
         return
     try:
         from sglang.srt.speculative.adaptive_spec_params import adaptive_unsupported_reason

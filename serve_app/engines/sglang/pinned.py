@@ -23,29 +23,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-VERSION = "0.5.23"
-WHEEL_ENV = "SPECSERVE_SGLANG_WHEEL"
+from serve_app.engines.sglang.compat import NEWEST, OLDEST, RELEASES, parse
+
 CACHE_ENV = "SPECSERVE_WHEEL_CACHE"
+WHEEL_LIST = Path(__file__).resolve().parents[3] / ".ci" / "sglang_wheels.txt"
 
 
 def wheel_cache_dir() -> Path:
-    """Where .ci/fetch_sglang_wheel.sh puts the wheel (same default, same override)."""
+    """Where .ci/fetch_sglang_wheel.sh puts the wheels (same default, same override)."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specserve" / "wheels")
 
 
-def find_wheel() -> Path | None:
-    """The pinned wheel: ``$SPECSERVE_SGLANG_WHEEL``, else the fetch script's cache, else None."""
-    if os.environ.get(WHEEL_ENV):
-        path = Path(os.environ[WHEEL_ENV])
-        return path if path.is_file() else None
-    found = sorted(wheel_cache_dir().glob(f"sglang-{VERSION}-*.whl"))
+def find_wheel(version: str) -> Path | None:
+    """The wheel of sglang ``version`` in the fetch script's cache, else None."""
+    found = sorted(wheel_cache_dir().glob(f"sglang-{version}-*.whl"))
     return found[0] if found else None
 
 
-def source_tree(wheel: Path | None = None) -> Path | None:
+def source_tree(version: str, wheel: Path | None = None) -> Path | None:
     """The wheel's ``.py`` files unpacked (once, beside the wheel); the folder holds ``sglang/``.
     None when the wheel is not there."""
-    wheel = wheel or find_wheel()
+    wheel = wheel or find_wheel(version)
     if wheel is None:
         return None
     dest = wheel.with_name(wheel.name.removesuffix(".whl") + "-py")
@@ -70,6 +68,7 @@ class Symbol:
     ``params``: the parameter names of a function (``*args``/``**kw`` spelled so) as we call
     it. ``value``: the literal a module constant must have. ``contains``: source text the
     definition must contain, as ``ast.unparse`` writes it (the behaviour we rely on).
+    ``releases``: the first and last release (inclusive) the symbol applies to.
     """
 
     file: str
@@ -78,14 +77,46 @@ class Symbol:
     params: tuple[str, ...] | None = None
     value: Any = None
     contains: tuple[str, ...] = ()
+    releases: tuple[str, str] = (OLDEST, NEWEST)
+
+    def applies_to(self, version: str) -> bool:
+        return parse(self.releases[0]) <= parse(version) <= parse(self.releases[1])
 
 
 _ARS = "sglang/srt/speculative/adaptive_runtime_state.py"
 _ASP = "sglang/srt/speculative/adaptive_spec_params.py"
+_HOOK = "sglang/srt/arg_groups/speculative_hook.py"
+_BUILDS_POLICY = (OLDEST, "0.5.19")  # AdaptiveController(worker, config_path) builds its own policy
+_TAKES_POLICY = ("0.5.20", NEWEST)  # AdaptiveController(worker, policy)
+_POLICY_METHODS = {
+    "candidate_steps": ("self",),
+    "set_cuda_graph_bs": ("self", "cuda_graph_bs"),
+    "get_steps_for_batch": ("self", "batch_size"),
+    "on_verify_complete": ("self", "num_correct_drafts_per_req", "batch_size"),
+    "cuda_graph_bs_for_step": ("self", "step"),
+}
+assert all(RELEASES[v].controller_takes_policy for v in _TAKES_POLICY)
+assert not any(RELEASES[v].controller_takes_policy for v in _BUILDS_POLICY)
 
 RELIED_ON: tuple[Symbol, ...] = (
-    # The plugin hook: the controller takes (worker, policy) and asks the policy each batch.
-    Symbol(_ARS, "AdaptiveController.__init__", "plugin wraps it to swap the policy", ("self", "worker", "policy")),
+    # The plugin hook: the controller takes (worker, policy), or builds SGLang's policy into
+    # self.params; either way it asks self.params before each decode batch.
+    Symbol(
+        _ARS,
+        "AdaptiveController.__init__",
+        "plugin wraps it and puts its policy in self.params",
+        ("self", "worker", "config_path"),
+        contains=("self.params = AdaptiveSpeculativeParams(",),
+        releases=_BUILDS_POLICY,
+    ),
+    Symbol(
+        _ARS,
+        "AdaptiveController.__init__",
+        "plugin wraps it to swap the policy",
+        ("self", "worker", "policy"),
+        contains=("self.params: AdaptiveSpecPolicy = policy",),
+        releases=_TAKES_POLICY,
+    ),
     Symbol(
         _ARS,
         "AdaptiveController.activate_step_by_batch",
@@ -101,16 +132,15 @@ RELIED_ON: tuple[Symbol, ...] = (
         contains=("self.candidate_steps", "cuda_graph_bs_for_step"),
     ),
     Symbol(_ARS, "AdaptiveSpecWorker.speculative_num_steps", "plugin reads the worker's initial steps"),
-    Symbol(_ARS, "AdaptiveSpecPolicy.candidate_steps", "policy protocol", ("self",)),
-    Symbol(_ARS, "AdaptiveSpecPolicy.set_cuda_graph_bs", "policy protocol", ("self", "cuda_graph_bs")),
-    Symbol(_ARS, "AdaptiveSpecPolicy.get_steps_for_batch", "policy protocol", ("self", "batch_size")),
-    Symbol(
-        _ARS,
-        "AdaptiveSpecPolicy.on_verify_complete",
-        "policy protocol",
-        ("self", "num_correct_drafts_per_req", "batch_size"),
+    *(
+        Symbol(_ARS, f"AdaptiveSpecPolicy.{m}", "policy protocol", params, releases=_TAKES_POLICY)
+        for m, params in _POLICY_METHODS.items()
     ),
-    Symbol(_ARS, "AdaptiveSpecPolicy.cuda_graph_bs_for_step", "policy protocol", ("self", "step")),
+    # Before the protocol existed, SGLang's own policy class is what the controller calls.
+    *(
+        Symbol(_ASP, f"AdaptiveSpeculativeParams.{m}", "the policy's methods", params, releases=_BUILDS_POLICY)
+        for m, params in _POLICY_METHODS.items()
+    ),
     Symbol(
         "sglang/srt/speculative/eagle_worker_v2.py",
         "EAGLEWorkerV2.__init__",
@@ -172,7 +202,27 @@ RELIED_ON: tuple[Symbol, ...] = (
     ),
     Symbol("sglang/srt/entrypoints/engine.py", "Engine.shutdown", "shutdown()", ("self",)),
     Symbol("sglang/srt/entrypoints/engine.py", "Engine.__init__", "Engine(**server_args)", ("self", "**kwargs")),
-    Symbol("sglang/srt/server_args.py", "ServerArgs.resolved_dict", "checks adaptive is really on", ("self",)),
+    Symbol(
+        "sglang/srt/server_args.py",
+        "ServerArgs.resolved_dict",
+        "checks adaptive is really on",
+        ("self",),
+        releases=("0.5.19", NEWEST),
+    ),
+    Symbol(
+        _HOOK,
+        "_maybe_disable_adaptive",
+        "turning adaptive off is a resolution, read through resolved_dict()",
+        contains=("declare_resolution(", "speculative_adaptive=False"),
+        releases=("0.5.19", NEWEST),
+    ),
+    Symbol(
+        _HOOK,
+        "_maybe_disable_adaptive",
+        "turning adaptive off sets the field",
+        contains=("server_args.speculative_adaptive = False",),
+        releases=(OLDEST, "0.5.18"),
+    ),
     Symbol(
         "sglang/srt/managers/tokenizer_manager.py",
         "TokenizerManager.init_ipc_channels",
@@ -242,10 +292,11 @@ def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
     return tuple(names)
 
 
-def check_symbols(src: Path, symbols: tuple[Symbol, ...] = RELIED_ON) -> list[str]:
-    """Every way ``symbols`` differ from the source tree at ``src`` (empty: all as we rely on)."""
+def check_symbols(src: Path, version: str, symbols: tuple[Symbol, ...] = RELIED_ON) -> list[str]:
+    """Every way the ``symbols`` of release ``version`` differ from the source tree at ``src``
+    (empty: all as we rely on)."""
     problems, trees = [], {}
-    for sym in symbols:
+    for sym in (s for s in symbols if s.applies_to(version)):
         where = f"{sym.file}: {sym.name} ({sym.why})"
         if sym.file not in trees:
             path = src / sym.file
@@ -276,25 +327,31 @@ def check_symbols(src: Path, symbols: tuple[Symbol, ...] = RELIED_ON) -> list[st
 def server_arg_types(src: Path) -> dict[str, str]:
     """``ServerArgs`` field name -> type expression, read from the wheel's source.
 
-    ``ServerArgs`` is assembled from the namespace structs listed in ``_INPUT_NAMESPACES`` of
-    srt/server_args.py; each field is declared ``name: A[<type>, <help>] = default``.
+    Each field is declared ``name: A[<type>, <help>] = default``. Up to 0.5.19 they sit in the
+    ``ServerArgs`` dataclass of srt/server_args.py; from 0.5.20 ``ServerArgs`` is assembled from
+    the namespace structs listed in its ``_INPUT_NAMESPACES``.
     """
     server_args = ast.parse((src / "sglang/srt/server_args.py").read_text())
     namespaces = _find(server_args, "_INPUT_NAMESPACES")
     if namespaces is None:
-        raise LookupError("srt/server_args.py has no _INPUT_NAMESPACES: ServerArgs is assembled differently now")
-    wanted = {elt.id for elt in namespaces.value.elts}
-    modules = {
-        alias.name: node.module
-        for node in server_args.body
-        if isinstance(node, ast.ImportFrom) and node.module
-        for alias in node.names
-        if alias.name in wanted
-    }
+        classes = [_find(server_args, "ServerArgs")]
+    else:
+        wanted = {elt.id for elt in namespaces.value.elts}
+        modules = {
+            alias.name: node.module
+            for node in server_args.body
+            if isinstance(node, ast.ImportFrom) and node.module
+            for alias in node.names
+            if alias.name in wanted
+        }
+        classes = [
+            _find(ast.parse((src / (modules[name].replace(".", "/") + ".py")).read_text()), name) for name in wanted
+        ]
+    if not classes or any(c is None for c in classes):
+        raise LookupError("srt/server_args.py: no ServerArgs fields found; ServerArgs is assembled differently now")
     fields: dict[str, str] = {}
-    for cls_name in wanted:
-        tree = ast.parse((src / (modules[cls_name].replace(".", "/") + ".py")).read_text())
-        for stmt in _find(tree, cls_name).body:
+    for cls in classes:
+        for stmt in cls.body:
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                 ann = stmt.annotation
                 is_a = isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id == "A"
@@ -318,7 +375,7 @@ def check_server_args(kwargs: dict[str, Any], field_types: dict[str, Any]) -> li
     problems = []
     for name, value in kwargs.items():
         if name not in field_types:
-            problems.append(f"{name}: not a ServerArgs field of sglang {VERSION}")
+            problems.append(f"{name}: not a ServerArgs field")
             continue
         tp = field_types[name]
         try:

@@ -5,9 +5,15 @@ Registered under the entry-point group ``sglang.srt.plugins``. SGLang's ``load_p
 (main, schedulers, detokenizer) before they build anything. ``register`` then
 
 1. wraps ``AdaptiveController.__init__`` so every EAGLE worker's controller gets a
-   :class:`CommandedStepsPolicy` in place of SGLang's acceptance-EMA policy;
+   :class:`CommandedStepsPolicy` in place of SGLang's acceptance-EMA policy, the way the
+   running release's controller takes its policy (:mod:`serve_app.engines.sglang.compat`);
 2. adds ``Scheduler.specserve_set_num_steps(num_steps, max_batch_size)``, which
    ``Engine.collective_rpc`` reaches on every TP rank through ``Scheduler.handle_rpc_request``.
+
+``collective_rpc`` returns nothing to the caller, so each policy also publishes what it runs
+(the steps of the last decode batch, and acceptance over its recent verifies) to a small file
+in the folder ``$SPECSERVE_SGLANG_STATE_DIR`` names, one file per scheduler process; the
+engine reads them in ``load()``.
 
 It does nothing unless ``SPECSERVE_SGLANG_PLUGIN=1`` (set by :class:`SGLangEngine` before it
 launches SGLang), so installing specserve never changes another SGLang server in the same
@@ -17,10 +23,12 @@ environment. This module imports no sglang at import time.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 
-from serve_app.engines.sglang.policy import CommandedStepsPolicy
+from serve_app.engines.sglang import compat
+from serve_app.engines.sglang.policy import CommandedStepsPolicy, StatePublisher
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +36,7 @@ ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "specserve"
 ENTRY_POINT_VALUE = "serve_app.engines.sglang.plugin:register"
 ENABLE_ENV = "SPECSERVE_SGLANG_PLUGIN"
+STATE_DIR_ENV = "SPECSERVE_SGLANG_STATE_DIR"
 RPC_METHOD = "specserve_set_num_steps"
 
 # The policies of the adaptive controllers built in this process (one per scheduler process).
@@ -38,25 +47,51 @@ def register() -> None:
     """Entry point of ``sglang.srt.plugins``: install the policy hook and the RPC method."""
     if os.environ.get(ENABLE_ENV) != "1":
         return
+    release = compat.installed()  # load_plugins() logs what this raises; the engine's start() fails on it
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
 
-    install_policy_hook(AdaptiveController)
+    install_policy_hook(AdaptiveController, release)
     setattr(Scheduler, RPC_METHOD, specserve_set_num_steps)
-    logger.info("specserve plugin registered (pid %d)", os.getpid())
+    logger.info("specserve plugin registered for sglang %s (pid %d)", release.version, os.getpid())
 
 
-def install_policy_hook(controller_cls: type) -> None:
-    """Make ``controller_cls(worker, policy)`` use a CommandedStepsPolicy (idempotent)."""
+def install_policy_hook(controller_cls: type, release: compat.Release) -> None:
+    """Make every ``controller_cls`` run a CommandedStepsPolicy (idempotent).
+
+    From 0.5.20 the controller takes its policy, ``(worker, policy)``: ours replaces it, with
+    the same candidate steps. Before, ``(worker, config_path=None)`` builds SGLang's policy
+    into ``self.params``: ours replaces that after the original ``__init__``.
+    """
     original = controller_cls.__init__
     if getattr(original, "_specserve", False):
         return
+    params = list(inspect.signature(original).parameters)
+    expected = "policy" if release.controller_takes_policy else "config_path"
+    if params[2:3] != [expected]:
+        raise compat.UnsupportedSGLangError(
+            f"sglang {release.version}: AdaptiveController.__init__{tuple(params)} does not take "
+            f"{expected!r} as this release should; the plugin cannot install its policy"
+        )
+    publisher = StatePublisher.from_env(os.environ.get(STATE_DIR_ENV))
 
-    @functools.wraps(original)
-    def __init__(self, worker, policy):
-        commanded = CommandedStepsPolicy(policy.candidate_steps, worker.speculative_num_steps)
-        policies.append(commanded)
-        original(self, worker, commanded)
+    def commanded_for(worker, candidate_steps) -> CommandedStepsPolicy:
+        policy = CommandedStepsPolicy(candidate_steps, worker.speculative_num_steps, publisher)
+        policies.append(policy)
+        return policy
+
+    if release.controller_takes_policy:
+
+        @functools.wraps(original)
+        def __init__(self, worker, policy):
+            original(self, worker, commanded_for(worker, policy.candidate_steps))
+
+    else:
+
+        @functools.wraps(original)
+        def __init__(self, worker, config_path=None):
+            original(self, worker, config_path)
+            self.params = commanded_for(worker, self.params.candidate_steps)
 
     __init__._specserve = True
     controller_cls.__init__ = __init__

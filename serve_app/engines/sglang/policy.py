@@ -9,8 +9,13 @@ records acceptance. Pure Python: no sglang import, tested on CPU against the rea
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
+from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,83 @@ class AcceptanceStats:
         return self.accepted.get(num_steps, 0) / max(1, self.requests.get(num_steps, 0))
 
 
+class RecentAcceptance:
+    """Acceptance over the last ``window_s`` of verifies at k > 0 steps, as the embedded engine
+    reports it (SGLang's load snapshot averages over the engine's lifetime, across step counts)."""
+
+    def __init__(self, window_s: float = 5.0):
+        self.window_s = window_s
+        self.events: deque[tuple[float, int, int, int]] = deque()  # time, requests, proposed, accepted
+
+    def record(self, num_steps: int, num_correct_drafts_per_req: list[int], now: float) -> None:
+        if num_steps > 0:
+            n = len(num_correct_drafts_per_req)
+            self.events.append((now, n, num_steps * n, sum(num_correct_drafts_per_req)))
+        while self.events and self.events[0][0] < now - self.window_s:
+            self.events.popleft()
+
+    def snapshot(self, now: float) -> dict[str, int]:
+        """Requests verified, and draft tokens proposed and accepted, in the window."""
+        live = [e for e in self.events if e[0] >= now - self.window_s]
+        return {k: sum(e[i] for e in live) for i, k in enumerate(("verified", "proposed", "accepted"), 1)}
+
+
+class StatePublisher:
+    """Writes what one scheduler's policy runs to ``<folder>/<pid>.json`` (atomic replace), at
+    each change of the steps commanded or run and at most every ``interval_s`` otherwise.
+
+    ``collective_rpc`` cannot return data, so this is how the engine learns the steps SGLang
+    really ran and the recent acceptance. A write that fails is logged once and never reaches
+    SGLang's scheduler loop.
+    """
+
+    def __init__(self, folder: Path | None, interval_s: float = 0.25):
+        self.path = None if folder is None else Path(folder) / f"{os.getpid()}.json"
+        self.interval_s = interval_s
+        self._last_at = float("-inf")
+        self._last_seen: tuple[int, int] | None = None
+        self._failed = False
+
+    @classmethod
+    def from_env(cls, folder: str | None) -> StatePublisher:
+        return cls(Path(folder) if folder else None)
+
+    def maybe_publish(self, policy: CommandedStepsPolicy, now: float) -> None:
+        seen = (policy.commanded, policy.active)
+        if self.path is None or (seen == self._last_seen and now - self._last_at < self.interval_s):
+            return
+        self._last_at, self._last_seen = now, seen
+        state = {
+            "pid": os.getpid(),
+            "time": time.time(),
+            "commanded": policy.commanded,
+            "active": policy.active,
+            "max_batch_size": policy.max_batch_size,
+            "last_batch_size": policy.last_batch_size,
+            "recent": policy.recent.snapshot(now),
+            "window_s": policy.recent.window_s,
+        }
+        try:
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            if not self._failed:
+                logger.warning("specserve: cannot publish the policy's state to %s: %s", self.path, e)
+            self._failed = True
+
+
+def read_states(folder: Path) -> list[dict]:
+    """Every scheduler's published state (one per TP rank), freshest first; unreadable ones skipped."""
+    states = []
+    for path in Path(folder).glob("*.json"):
+        try:
+            states.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # a rank that has not written yet, or a file being replaced
+            continue
+    return sorted(states, key=lambda s: s.get("time", 0.0), reverse=True)
+
+
 class CommandedStepsPolicy:
     """An ``AdaptiveSpecPolicy`` that returns the commanded step count.
 
@@ -41,14 +123,17 @@ class CommandedStepsPolicy:
     rank (each rank runs its own copy, commanded by the same collective RPC).
     """
 
-    def __init__(self, candidate_steps: list[int], initial_steps: int):
+    def __init__(self, candidate_steps: list[int], initial_steps: int, publisher: StatePublisher | None = None):
         self._candidate_steps = sorted(set(candidate_steps))
         if initial_steps not in self._candidate_steps:
             raise ValueError(f"initial steps {initial_steps} not in candidate steps {self._candidate_steps}")
         self.commanded = initial_steps
         self.max_batch_size: int | None = None
         self.active = initial_steps
+        self.last_batch_size = 0
         self.stats = AcceptanceStats()
+        self.recent = RecentAcceptance()
+        self._publisher = publisher or StatePublisher(None)
         self._cuda_graph_bs: list[int] | None = None
 
     # -- specserve side -------------------------------------------------------------------
@@ -67,6 +152,7 @@ class CommandedStepsPolicy:
             )
         self.commanded = num_steps
         self.max_batch_size = max_batch_size
+        self._publisher.maybe_publish(self, time.monotonic())
 
     # -- AdaptiveSpecPolicy ---------------------------------------------------------------
 
@@ -84,8 +170,11 @@ class CommandedStepsPolicy:
     def get_steps_for_batch(self, batch_size: int) -> int:
         guarded = self.max_batch_size is not None and batch_size > self.max_batch_size
         self.active = self._candidate_steps[0] if guarded else self.commanded
+        self.last_batch_size = batch_size
+        self._publisher.maybe_publish(self, time.monotonic())
         return self.active
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         self.stats.record(self.active, num_correct_drafts_per_req)
+        self.recent.record(self.active, num_correct_drafts_per_req, time.monotonic())
         return None  # never switches on its own
