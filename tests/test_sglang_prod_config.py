@@ -53,3 +53,20 @@ def test_the_rayservice_serves_exactly_prod_yaml(prod):
     service = yaml.safe_load(RAYSERVICE.read_text())
     assert service["kind"] == "RayService"
     assert yaml.safe_load(service["spec"]["serveConfigV2"]) == prod
+
+
+def test_the_gpu_config_is_valid_and_its_arguments_exist_in_the_sglang_the_gpu_bundle_carries(tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app.config import AppArgs
+    from serve_app.engines.sglang.pinned import source_tree
+
+    raw = yaml.safe_load((ROOT / "configs" / "gpu-h200.yaml").read_text())
+    ServeDeploySchema.model_validate(raw)
+    args = AppArgs.model_validate(raw["applications"][0]["args"])
+    src = source_tree("0.5.17")  # infra/gpu/bundle-sglang-0.5.17.txt
+    if src is None:
+        pytest.skip("sglang 0.5.17 wheel not found: run .ci/fetch_sglang_wheel.sh")
+    opts = args.engine.sglang.model_copy(update={"adaptive_config_dir": str(tmp_path)})
+    assert check_server_args(build_server_args(opts), server_arg_types(src)) == []
+    assert opts.tp_size == 1 and raw["applications"][0]["args"]["replica_ray_actor_options"]["num_gpus"] == 1
