@@ -110,6 +110,7 @@ class LLMReplica:
 
     async def _report_loop(self) -> None:
         interval = self._options.report_interval_s
+        applying: asyncio.Task | None = None
         while True:
             await asyncio.sleep(interval)
             try:
@@ -123,8 +124,15 @@ class LLMReplica:
                     report["active_num_steps"],
                 )
                 answer = await asyncio.wait_for(self._controller.report.remote(report), 4 * interval)
-                await self.apply_mode(*answer)
+                # A switch may wait up to the engine's RPC timeout: apply it beside the loop, one at
+                # a time, so that the reports (which carry its failure) keep their pace and the
+                # replica stays live for the controller meanwhile.
+                if answer[0] > self._version and (applying is None or applying.done()):
+                    applying = asyncio.create_task(self.apply_mode(*answer))
+                    applying.add_done_callback(_ignore_failure)  # apply_mode counts and logs it
             except asyncio.CancelledError:
+                if applying is not None:
+                    applying.cancel()
                 raise
             except Exception as e:
                 logger.debug("load report failed: %s", e)
@@ -220,3 +228,9 @@ class LLMReplica:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             await engine.shutdown()
+
+
+def _ignore_failure(task: asyncio.Task) -> None:
+    """Retrieve a background switch's exception, already counted and logged by apply_mode."""
+    if not task.cancelled():
+        task.exception()

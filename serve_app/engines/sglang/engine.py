@@ -46,6 +46,7 @@ class SGLangEngine:
 
     def __init__(self, opts: SGLangOptions):
         self.opts = opts
+        self.model_name = opts.model_path  # what SGLang's own server names it by default
         self.release: compat.Release | None = None
         self._engine: Any = None
         self._num_steps = opts.start_steps
