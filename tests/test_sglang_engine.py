@@ -19,8 +19,20 @@ from serve_app.engines.sglang import engine as engine_mod
 from serve_app.engines.sglang.config import SGLangOptions
 
 
+class FakeTokenizer:
+    """The calls SGLangEngine makes of a Hugging Face tokenizer."""
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert tokenize is False and add_generation_prompt is True
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [ord(c) for c in text]}
+
+
 class FakeTokenizerManager:
     def __init__(self):
+        self.tokenizer = FakeTokenizer()
         self.aborted = []
         snapshot = SimpleNamespace(
             num_waiting_reqs=7,
@@ -176,6 +188,12 @@ def test_generate_streams_only_new_tokens_and_maps_the_finish_reason(sglang):
         },
     }
     assert fake.tokenizer_manager.aborted == []
+
+
+def test_chat_prompts_and_token_counts_come_from_the_tokenizer_sglang_loaded(sglang):
+    eng, _ = started(sglang)
+    assert eng.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
+    assert eng.tokenize("abc") == [97, 98, 99]
 
 
 def test_bad_parameters_raise_before_any_streaming(sglang):

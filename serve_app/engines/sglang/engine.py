@@ -82,6 +82,21 @@ class SGLangEngine:
             self._engine = None
             raise
 
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The prompt of chat ``messages``, rendered with the model's own template by the
+        tokenizer SGLang loaded (its tokenizer manager's)."""
+        return self._tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids as SGLang counts them (the replica's prompt limit uses it)."""
+        return self._tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+    def _tokenizer(self) -> Any:
+        tokenizer = getattr(getattr(self._engine, "tokenizer_manager", None), "tokenizer", None)
+        if tokenizer is None:
+            raise EngineError("the SGLang engine is not running, or runs without a tokenizer")
+        return tokenizer
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         request.params.validate()  # InvalidRequestError here, before any streaming
         if request.prompt_token_ids is None and not request.prompt:
