@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -66,6 +67,14 @@ def prompt_ids(tokenizer) -> list[list[int]]:
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
              for p in PROMPTS]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+async def flush(engine) -> None:
+    """Empty the prefix cache. ``Engine.flush_cache()`` runs the tokenizer manager's coroutine on
+    the loop the engine was built on; inside a running loop await the coroutine itself."""
+    result = await engine.tokenizer_manager.flush_cache()
+    if not getattr(result, "success", True):
+        raise RuntimeError(f"flush_cache failed: {result}")
 
 
 async def greedy(engine, ids: list[list[int]], logprobs: bool, one_by_one: bool = False) -> list[dict]:
@@ -123,14 +132,14 @@ async def probe(variant: str, model: str, draft: str) -> dict:
             kwargs["disable_overlap_schedule"] = True
         engine = sglang.Engine(**kwargs)
         result["start_s"] = round(time.perf_counter() - t0, 1)
-        result["sglang_version"] = sglang.__version__
+        result["sglang_version"] = importlib.metadata.version("sglang")
         try:
             if variant == "plain":
                 for phase in ("cold", "warm"):
                     result["greedy"][phase] = await greedy(engine, ids, logprobs=True)
-                engine.flush_cache()
+                await flush(engine)
                 result["greedy"]["flushed"] = await greedy(engine, ids, logprobs=True)
-                engine.flush_cache()
+                await flush(engine)
                 result["greedy"]["one_by_one"] = await greedy(engine, ids, logprobs=False, one_by_one=True)
             result["speed"] = await speeds(engine, ids, variant)
         finally:
@@ -160,12 +169,12 @@ async def probe(variant: str, model: str, draft: str) -> dict:
         if variant == "spec":
             for label, steps in (("steps3", 3), ("steps3_again", 3), ("steps0", 0), ("steps1", 1)):
                 await se.set_num_steps(steps)
-                engine.flush_cache()
+                await flush(engine)
                 result["greedy"][label] = await greedy(engine, ids, logprobs=False)
-            engine.flush_cache()
+            await flush(engine)
             result["greedy"]["switched"] = await switched(se, engine, ids)
             await se.set_num_steps(3)
-            engine.flush_cache()
+            await flush(engine)
             result["greedy"]["steps3_after_switches"] = await greedy(engine, ids, logprobs=False)
         for steps in (3, 1, 0) if variant == "spec" else (0, 3):
             await se.set_num_steps(steps)
