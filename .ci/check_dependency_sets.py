@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -258,8 +259,12 @@ def check(dep: DepSet, project_wheel: Path, work: Path) -> DepSet:
 
 
 def build_project_wheel(work: Path) -> Path:
-    out = work / "project"
-    proc = pip("wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(ROOT))
+    """specserve's wheel, built from a copy so that no build output lands in the work tree."""
+    src, out = work / "project-src", work / "project"
+    src.mkdir()
+    shutil.copy2(ROOT / "pyproject.toml", src)
+    shutil.copytree(ROOT / "serve_app", src / "serve_app", ignore=shutil.ignore_patterns("__pycache__"))
+    proc = pip("wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(src))
     if proc.returncode != 0:
         print(proc.stdout + proc.stderr)
         sys.exit("check_dependency_sets: specserve itself does not build")
