@@ -36,16 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-PROMPTS = [
-    "Explain how a hash map handles collisions.",
-    "Write a Python function that merges two sorted lists.",
-    "Summarize the causes of the French Revolution in five sentences.",
-    "What is the difference between TCP and UDP?",
-    "Translate to German: The weather is nice today and we are going for a walk.",
-    "List ten prime numbers and explain how you found them.",
-    "Describe the water cycle to a ten-year-old.",
-    "Give three arguments for and against remote work.",
-]
+from smoke import PROMPTS  # noqa: E402  (the 8-GPU smoke run's prompts; this folder is on sys.path)
+
 BATCHES = (1, 64, 256)
 SPEED_TOKENS = 256
 GREEDY_TOKENS = 128

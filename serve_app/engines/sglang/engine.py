@@ -141,13 +141,12 @@ class SGLangEngine:
         timeout = self.opts.rpc_timeout_s
         async with self._rpc_lock:  # one ZMQ socket: one RPC at a time
             if self._rpc_pending is not None and not self._rpc_pending.done():
-                try:  # the last call that timed out still holds the socket: give it one more timeout
-                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._rpc_pending)), timeout)
-                except TimeoutError:
-                    raise SwitchTimeoutError(
-                        f"the previous {plugin.RPC_METHOD} call is still unanswered after a further {timeout:g} s; "
-                        f"staying at num_steps={self._num_steps}"
-                    ) from None
+                # The last call that timed out still holds the socket: give it one more timeout.
+                stuck = f"the previous {plugin.RPC_METHOD} call is still unanswered after a further {timeout:g} s"
+                try:
+                    await self._await_rpc(timeout, stuck)
+                except SwitchTimeoutError:
+                    raise
                 except Exception:  # its late failure was already reported as a timeout
                     pass
             # A blocking send/recv plus a barrier on every TP rank: keep it off the event loop.
@@ -155,15 +154,22 @@ class SGLangEngine:
                 self._engine.collective_rpc, plugin.RPC_METHOD, num_steps=num_steps, max_batch_size=guard
             )
             try:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._rpc_pending)), timeout)
-            except TimeoutError:
-                raise SwitchTimeoutError(
+                await self._await_rpc(
+                    timeout,
                     f"SGLang's schedulers did not answer {plugin.RPC_METHOD}({num_steps}) within {timeout:g} s "
-                    f"(rpc_timeout_s); staying at num_steps={self._num_steps}"
-                ) from None
+                    "(rpc_timeout_s)",
+                )
             except AssertionError as e:  # collective_rpc asserts success with the scheduler's message
                 raise EngineError(f"SGLang schedulers refused {plugin.RPC_METHOD}({num_steps}): {e}") from e
         self._num_steps = num_steps
+
+    async def _await_rpc(self, timeout: float, unanswered: str) -> None:
+        """Wait for the pending RPC at most ``timeout``; past it, SwitchTimeoutError (the call
+        itself goes on, holding the socket, until SGLang answers)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._rpc_pending)), timeout)
+        except TimeoutError:
+            raise SwitchTimeoutError(f"{unanswered}; staying at num_steps={self._num_steps}") from None
 
     def load(self) -> EngineLoad:
         """Queue and throughput from SGLang's load snapshot (shared memory, no scheduler
