@@ -9,8 +9,8 @@ head in ``serve_app/engines/embedded/heads``. ::
 GPU nodes have little besides torch and transformers, so this file imports nothing of
 serve_app (the embedded package pulls in pydantic and numpy): the draft needs torch and
 safetensors, the target transformers and gguf as well (on the H200 node gguf comes with the
-SGLang bundle). The package ``serve_app.engines.sglang`` imports pydantic, so where that is
-missing, run the file itself: ``python serve_app/engines/sglang/export.py --out DIR``.
+SGLang bundle). The package ``serve_app.engines.sglang`` loads its pydantic modules only on
+use, so ``-m`` works there too, as does running the file itself.
 """
 
 from __future__ import annotations
