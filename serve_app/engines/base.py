@@ -8,8 +8,9 @@ running request and never changes what a request outputs under greedy sampling.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -35,7 +35,7 @@ class EmbeddedOptions(BaseModel):
     tiny_layers: int = Field(2, ge=1, description="layers of the tiny-random model")
 
     @model_validator(mode="after")
-    def _check(self) -> "EmbeddedOptions":
+    def _check(self) -> EmbeddedOptions:
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
         return self

@@ -127,17 +127,17 @@ class EngineCore:
             # Never draft past what a request may still output.
             limits = [min(num_steps, s.params.max_tokens - s.num_output_tokens - 1) for s in seqs]
             proposed = self.drafter.propose([s.request_id for s in seqs], [s.token_ids for s in seqs], num_steps)
-            drafts = [d[:max(lim, 0)] for d, lim in zip(proposed, limits)]
+            drafts = [d[:max(lim, 0)] for d, lim in zip(proposed, limits, strict=True)]
         width = 1 + max(len(d) for d in drafts)
         tokens = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+        for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
             tokens[row, :1 + len(draft)] = torch.tensor([seq.token_ids[-1], *draft])
         lens = torch.tensor([s.num_cached for s in seqs])
         logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache, taps=self.taps)
         greedy_argmax = logits.argmax(dim=-1).tolist()
         emitted = proposed_n = accepted_n = verifies = 0
         accepted_per_seq = []
-        for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+        for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
             if seq.params.temperature == 0:
                 out, n = greedy_verify(draft, greedy_argmax[row][:len(draft) + 1])
             else:

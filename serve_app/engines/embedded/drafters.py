@@ -9,7 +9,8 @@ speculative or not, so such a drafter's state never falls behind while speculati
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch

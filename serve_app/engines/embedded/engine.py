@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import torch
 

@@ -31,7 +31,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose keys/values are in the cache
     finish_reason: FinishReason | None = None
     arrival: float = field(default_factory=time.monotonic)
-    detok: "IncrementalDetokenizer | None" = None
+    detok: IncrementalDetokenizer | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -45,7 +45,7 @@ class LlamaShape:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, cfg) -> "LlamaShape":
+    def from_hf(cls, cfg) -> LlamaShape:
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") or getattr(cfg, "rope_theta", 10000.0)
         if rope.get("rope_type", "default") not in ("default", None):
