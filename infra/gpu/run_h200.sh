@@ -5,8 +5,11 @@
 #   infra/gpu/run_h200.sh engine  OUT_DIR      # infra/gpu/engine_study.py: lossless greedy output, speed per step count
 #   infra/gpu/run_h200.sh serve   OUT_DIR      # infra/gpu/serve_study.py: serve run configs/gpu-h200.yaml, the ramp, the table
 # Each step writes its log and JSON under OUT_DIR; `serve` merges `engine`'s JSON (kept in
-# $SPECSERVE_GPU/engine.json) into OUT_DIR/gpu_sglang_h200.json. SPECSERVE_GPU (default
-# /tmp/specserve-gpu) holds the unpacked bundle, its env.sh, the GGUF and the exported models.
+# $SPECSERVE_GPU/engine.json) into OUT_DIR/gpu_sglang_h200.json, which it rewrites after every
+# row and phase (`phases_completed`), so a run cut by the time limit keeps what it measured; it
+# stops its `serve run` and that Ray cluster on every way out (--ray-stop-force: this machine
+# runs nothing else). SPECSERVE_GPU (default /tmp/specserve-gpu) holds the unpacked bundle, its
+# env.sh, the GGUF and the exported models.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 step="${1:?usage: run_h200.sh prepare|engine|serve DIR}"
@@ -47,7 +50,7 @@ EOF
     source "$gpu/env.sh"
     mkdir -p "$dir"
     python3 infra/gpu/serve_study.py --config configs/gpu-h200.yaml --model "$gpu/hf/target" \
-      --engine-json "$gpu/engine.json" --out "$dir/gpu_sglang_h200.json" --logs "$dir/logs" 2>&1 | tee "$dir/serve.log"
+      --engine-json "$gpu/engine.json" --out "$dir/gpu_sglang_h200.json" --logs "$dir/logs" --ray-stop-force 2>&1 | tee "$dir/serve.log"
     ;;
   *)
     echo "unknown step $step: prepare, engine or serve" >&2
