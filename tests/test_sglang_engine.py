@@ -126,6 +126,14 @@ def test_start_launches_sglang_with_our_arguments_and_commands_the_initial_steps
     assert eng.load().num_steps == 5
 
 
+def test_skipping_the_zero_step_draft_extend_is_an_option_the_engine_processes_inherit(sglang, monkeypatch):
+    monkeypatch.setenv(engine_mod.SKIP_ZERO_STEP_DRAFT_EXTEND, "0")  # restored after the test
+    started(sglang)
+    assert engine_mod.os.environ[engine_mod.SKIP_ZERO_STEP_DRAFT_EXTEND] == "0"  # the default keeps the draft warm
+    started(sglang.model_copy(update={"zero_step_draft_extend": False}))
+    assert engine_mod.os.environ[engine_mod.SKIP_ZERO_STEP_DRAFT_EXTEND] == "1"
+
+
 def test_start_fails_loudly_when_sglang_turned_adaptive_speculation_off(sglang, monkeypatch):
     monkeypatch.setattr(FakeEngine, "adaptive", False)
     with pytest.raises(EngineError, match="turned adaptive speculation off"):

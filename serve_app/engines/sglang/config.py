@@ -94,6 +94,12 @@ class SGLangOptions(BaseModel):
         description="Let SGLang run the draft past its own max_position_embeddings when the target's "
         "context is longer (sets SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in the engine's processes).",
     )
+    zero_step_draft_extend: bool = Field(
+        default=True,
+        description="At 0 steps SGLang still extends the draft's KV cache each step so that it stays warm. "
+        "False skips it (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 in the engine's processes): 0 steps ran "
+        "2.0x faster at batch 1 and 1.5x at 64 on an H200 (docs/sglang.md), with a cold draft on resume.",
+    )
     adaptive_config_dir: str | None = Field(
         default=None, description="Where the adaptive-config JSON is written; default a folder under the temp dir."
     )

@@ -34,6 +34,7 @@ from serve_app.engines.sglang.policy import read_states
 logger = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+SKIP_ZERO_STEP_DRAFT_EXTEND = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
 
 
 class SwitchTimeoutError(EngineError):
@@ -70,6 +71,8 @@ class SGLangEngine:
         os.environ[plugin.STATE_DIR_ENV] = self._state_dir
         if self.opts.draft_context_overwrite:
             os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
+        if not self.opts.zero_step_draft_extend:
+            os.environ[SKIP_ZERO_STEP_DRAFT_EXTEND] = "1"
         import sglang  # noqa: PLC0415 - needs CUDA; only on GPU machines
 
         # Loads weights and captures CUDA graphs for every candidate step count: minutes.
