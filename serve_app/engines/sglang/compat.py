@@ -38,9 +38,8 @@ class Release:
 
 
 RELEASES: dict[str, Release] = {
-    v: Release(v, controller_takes_policy=n >= 20, resolves_server_args=n >= 19)
+    f"0.5.{n}": Release(f"0.5.{n}", controller_takes_policy=n >= 20, resolves_server_args=n >= 19)
     for n in range(17, 24)
-    for v in (f"0.5.{n}",)
 }
 OLDEST, NEWEST = "0.5.17", "0.5.23"
 

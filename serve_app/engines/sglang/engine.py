@@ -180,11 +180,11 @@ class SGLangEngine:
         reader = getattr(getattr(self._engine, "tokenizer_manager", None), "load_snapshot_reader", None)
         snapshots = reader.read_all() if reader is not None else []
         running = sum(s.num_running_reqs for s in snapshots)
-        state = self.policy_states()[:1]
-        now = time.time()
-        recent = state[0]["recent"] if state and now - state[0]["time"] <= state[0]["window_s"] else {}
+        state = next(iter(self.policy_states()), None)  # the freshest rank's
+        fresh = state is not None and time.time() - state["time"] <= state["window_s"]
+        recent = state["recent"] if fresh else {}
         verified, proposed, accepted = (recent.get(k, 0) for k in ("verified", "proposed", "accepted"))
-        runs = state[0]["active"] if state and running else self._num_steps  # idle: the next batch runs the command
+        runs = state["active"] if state and running else self._num_steps  # idle: the next batch runs the command
         return EngineLoad(
             waiting=sum(s.num_waiting_reqs for s in snapshots),
             running=running,

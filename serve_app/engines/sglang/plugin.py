@@ -73,7 +73,7 @@ def install_policy_hook(controller_cls: type, release: compat.Release) -> None:
             f"sglang {release.version}: AdaptiveController.__init__{tuple(params)} does not take "
             f"{expected!r} as this release should; the plugin cannot install its policy"
         )
-    publisher = StatePublisher.from_env(os.environ.get(STATE_DIR_ENV))
+    publisher = StatePublisher(os.environ.get(STATE_DIR_ENV))
 
     def commanded_for(worker, candidate_steps) -> CommandedStepsPolicy:
         policy = CommandedStepsPolicy(candidate_steps, worker.speculative_num_steps, publisher)

@@ -68,16 +68,12 @@ class StatePublisher:
     SGLang's scheduler loop.
     """
 
-    def __init__(self, folder: Path | None, interval_s: float = 0.25):
-        self.path = None if folder is None else Path(folder) / f"{os.getpid()}.json"
+    def __init__(self, folder: str | Path | None, interval_s: float = 0.25):
+        self.path = Path(folder) / f"{os.getpid()}.json" if folder else None
         self.interval_s = interval_s
         self._last_at = float("-inf")
         self._last_seen: tuple[int, int] | None = None
         self._failed = False
-
-    @classmethod
-    def from_env(cls, folder: str | None) -> StatePublisher:
-        return cls(Path(folder) if folder else None)
 
     def maybe_publish(self, policy: CommandedStepsPolicy, now: float) -> None:
         seen = (policy.commanded, policy.active)
