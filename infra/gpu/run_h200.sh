@@ -3,10 +3,14 @@
 #   infra/gpu/run_h200.sh prepare PIECES_DIR   # keep the carried pieces; once all are there, unpack the
 #                                              # bundle (infra/gpu/unpack.sh) and export the models
 #   infra/gpu/run_h200.sh engine  OUT_DIR      # infra/gpu/engine_study.py: lossless greedy output, speed per step count
-#   infra/gpu/run_h200.sh serve   OUT_DIR      # infra/gpu/serve_study.py: serve run configs/gpu-h200.yaml, the ramp, the table
+#   infra/gpu/run_h200.sh serve   OUT_DIR [plain|app|all]
+#                                              # infra/gpu/serve_study.py: plain SGLang's table; serve run
+#                                              # configs/gpu-h200.yaml, the openai client, the tables, the ramp
 # Each step writes its log and JSON under OUT_DIR; `serve` merges `engine`'s JSON (kept in
-# $SPECSERVE_GPU/engine.json) into OUT_DIR/gpu_sglang_h200.json, which it rewrites after every
-# row and phase (`phases_completed`), so a run cut by the time limit keeps what it measured; it
+# $SPECSERVE_GPU/engine.json, or ENGINE_JSON) into gpu_sglang_h200.json, kept in $SPECSERVE_GPU
+# so that `serve DIR plain` and then `serve DIR app` (one 10-minute call each) build one file,
+# copied to OUT_DIR. It is rewritten after every row and phase (`phases_completed`), so a run cut
+# by the time limit keeps what it measured; it
 # stops its `serve run` and that Ray cluster on every way out (--ray-stop-force: this machine
 # runs nothing else). SPECSERVE_GPU (default /tmp/specserve-gpu) holds the unpacked bundle, its
 # env.sh, the GGUF and the exported models.
@@ -43,14 +47,23 @@ EOF
     python3 infra/gpu/engine_study.py all --model "$gpu/hf/target" --draft "$gpu/hf/draft" \
       --out "$dir/engine.json" --deadline-s "${DEADLINE_S:-480}" 2>&1 | tee "$dir/engine.log" || rc=$?
     [ -f "$dir/engine.json" ] && cp "$dir/engine.json" "$gpu/engine.json"
+    if [ -f "$gpu/gpu_sglang_h200.json" ]; then  # a serve part ran first: give its result these figures
+      python3 infra/gpu/serve_study.py --part engine --model "$gpu/hf/target" --engine-json "$gpu/engine.json" \
+        --out "$gpu/gpu_sglang_h200.json" --logs "$dir/logs-engine" && cp "$gpu/gpu_sglang_h200.json" "$dir/"
+    fi
     exit "$rc"
     ;;
   serve)
     # shellcheck disable=SC1091
     source "$gpu/env.sh"
     mkdir -p "$dir"
-    python3 infra/gpu/serve_study.py --config configs/gpu-h200.yaml --model "$gpu/hf/target" \
-      --engine-json "$gpu/engine.json" --out "$dir/gpu_sglang_h200.json" --logs "$dir/logs" --ray-stop-force 2>&1 | tee "$dir/serve.log"
+    part="${3:-all}"
+    rc=0
+    python3 infra/gpu/serve_study.py --config configs/gpu-h200.yaml --model "$gpu/hf/target" --part "$part" \
+      --engine-json "${ENGINE_JSON:-$gpu/engine.json}" --out "$gpu/gpu_sglang_h200.json" --logs "$dir/logs-$part" \
+      --ray-stop-force 2>&1 | tee "$dir/serve-$part.log" || rc=$?
+    cp "$gpu/gpu_sglang_h200.json" "$dir/" 2>/dev/null || true
+    exit "$rc"
     ;;
   *)
     echo "unknown step $step: prepare, engine or serve" >&2

@@ -3,7 +3,12 @@ moves the cluster off speculation and back, and a throughput / TTFT / TPOT table
 SGLang server (no speculation) driven by the same HTTP client.
 
     python infra/gpu/serve_study.py --config configs/gpu-h200.yaml --model DIR \
-        --engine-json engine.json --out gpu_sglang_h200.json --logs DIR [--ray-stop-force]
+        --engine-json engine.json --out gpu_sglang_h200.json --logs DIR [--part plain|app|all] [--ray-stop-force]
+
+``--part`` runs one half (each fits a 10-minute call); a later part adds to the ``--out`` an
+earlier part wrote (its rows, phases and errors are kept), and ``complete`` is true once both
+halves' phases are in it without errors. ``--part engine`` starts no server: it only merges a
+newer ``--engine-json`` into ``--out``.
 
 1. Plain SGLang: its own OpenAI server (``sglang.srt.entrypoints.http_server.launch_server``,
    the engine options of engine_study.COMMON), measured at every concurrency. A plain server
@@ -617,18 +622,49 @@ async def main_async(args, res: Results) -> None:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     prompts = prompt_messages(["chat"])
-    if not args.skip_plain:
+    if args.part in ("plain", "all"):
         try:
             await measure_plain(args.model, logs, prompts, res)
         except Exception as e:  # noqa: BLE001 - the app's part is still worth measuring
             say(f"plain SGLang failed: {e}")
             res.error(res.data["phase_running"] or "plain", e)
             res.data["phase_running"] = None
-    try:
-        await measure_app(args.config, logs, prompts, res)
-    except Exception as e:
-        res.error(res.data["phase_running"] or "app", e)
-        raise
+    if args.part in ("app", "all"):
+        try:
+            await measure_app(args.config, logs, prompts, res)
+        except Exception as e:
+            res.error(res.data["phase_running"] or "app", e)
+            raise
+
+
+PLAIN_PHASES = ("plain: start", "plain: table")
+APP_PHASES = ("app: start", "app: openai client", "app: table steps 3", "app: table steps 0", "app: table dynamic",
+              "app: ramp")
+
+
+def complete(data: dict) -> bool:
+    """Both halves measured, and no phase recorded an error."""
+    return set(PLAIN_PHASES + APP_PHASES) <= set(data["phases_completed"]) and not data["errors"]
+
+
+def initial(args) -> dict:
+    """A fresh skeleton, or the result an earlier ``--part`` wrote at ``--out``, with this run's
+    engine figures and state fields refreshed; rows of the part about to run are dropped, so a
+    part run twice is not counted twice."""
+    fresh = skeleton(args)
+    path = Path(args.out)
+    if args.part == "all" or not path.exists():
+        return fresh
+    data = json.loads(path.read_text())
+    label = args.part
+    if label != "engine":
+        data["rows"] = [r for r in data["rows"] if (r["policy"] == "plain sglang") != (label == "plain")]
+        data["phases_completed"] = [p for p in data["phases_completed"] if not p.startswith(label + ":")]
+        data["errors"] = [e for e in data["errors"] if not str(e.get("phase", "")).startswith(label)]
+    data.setdefault("parts_started_at", {})[label] = fresh["started_at"]
+    for key in ("complete", "phase_running", "stopped_by", "gpu", "greedy_identical", "engine_speed", "sglang_version"):
+        data[key] = fresh[key] if fresh[key] is not None or key not in data else data[key]
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -639,18 +675,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-json", help="engine_study.py's result, merged in")
     ap.add_argument("--out", required=True)
     ap.add_argument("--logs", required=True)
-    ap.add_argument("--skip-plain", action="store_true")
+    ap.add_argument("--part", choices=("plain", "app", "all", "engine"), default="all",
+                    help="plain SGLang's table, the app's phases, or both; a part adds to an existing --out; "
+                         "engine: only merge --engine-json into --out")
     ap.add_argument("--ray-stop-force", action="store_true",
                     help="after stopping `serve run`, also run `ray stop --force` (kills EVERY Ray process here)")
     args = ap.parse_args(argv)
     RAY_STOP_FORCE = args.ray_stop_force
-    res = Results(args.out, skeleton(args))
+    res = Results(args.out, initial(args))
     res.save()
     rc = 0
     try:
         asyncio.run(main_async(args, res))
-        res.data["complete"] = not res.data["errors"]
-        rc = 0 if res.data["complete"] else 1
+        res.data["complete"] = complete(res.data)
+        rc = 0 if not res.data["errors"] else 1
     except asyncio.CancelledError:
         rc = 128 + signal.Signals[res.data["stopped_by"]].value if res.data["stopped_by"] else 1
     except KeyboardInterrupt:
