@@ -36,7 +36,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_queued_requests=args.limits.max_queued_requests,
         ray_actor_options=args.replica_ray_actor_options,
         **scaling,
-    ).bind(args.engine, args.policy, args.controller, args.limits)
+    ).bind(args.engine, args.policy, args.controller, args.limits, args.streaming)
     # Constructor arguments exclude scaling, so that scaling does not restart replicas.
     return OpenAIIngress.options(name=INGRESS_DEPLOYMENT).bind(
         replica,

@@ -14,7 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are errors, and values keep their type (``true`` is not a number, ``"2"``
+    is not an integer): a typo in a config or in ``PUT /v1/speculation`` is a 4xx, not a silent
+    coercion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Tier(_Strict):
@@ -136,6 +140,17 @@ class Limits(_Strict):
     )
 
 
+class StreamOptions(_Strict):
+    """How a replica paces its streams (the ``streaming`` section of the app's args)."""
+
+    chunks_per_s: float = Field(
+        default=200.0,
+        ge=0,
+        description="Chunks a replica sends per second over all its streams; 0: one chunk per engine delta.",
+    )
+    max_interval_s: float = Field(default=0.25, ge=0, le=5, description="Longest wait between two chunks of one stream.")
+
+
 def _options_class(backend: str) -> type[BaseModel]:
     # Imported on use: the sglang options module is importable without sglang itself, and
     # neither engine package is needed to validate or run the policy.
@@ -196,6 +211,7 @@ class AppArgs(_Strict):
     )
     controller: ControllerOptions = Field(default_factory=ControllerOptions)
     limits: Limits = Field(default_factory=Limits)
+    streaming: StreamOptions = Field(default_factory=StreamOptions)
     admin_token_env: str = Field(default="SPECSERVE_ADMIN_TOKEN", min_length=1)
     served_model_name: str | None = Field(default=None, description="Model name clients use; default: the engine's.")
 

@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass
 import psutil
 from ray import serve
 
-from serve_app.config import ControllerOptions, EngineConfig, Limits, PolicyConfig
+from serve_app.config import ControllerOptions, EngineConfig, Limits, PolicyConfig, StreamOptions
 from serve_app.controller import get_or_create_controller
 from serve_app.engines import make_engine
 from serve_app.engines.base import EngineOverloadedError, GenerateRequest, InvalidRequestError, TokenDelta
 from serve_app.metrics import replica_metrics
+from serve_app.streaming import StreamPacer
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,16 @@ class LLMReplica:
     """One engine behind Ray Serve."""
 
     async def __init__(
-        self, engine: EngineConfig, policy: PolicyConfig, controller: ControllerOptions, limits: Limits | None = None
+        self,
+        engine: EngineConfig,
+        policy: PolicyConfig,
+        controller: ControllerOptions,
+        limits: Limits | None = None,
+        streaming: StreamOptions | None = None,
     ):
         ctx = serve.get_replica_context()
         self._limits = limits or Limits()
+        self._pacer = StreamPacer(streaming)
         self._app, self._id = ctx.app_name, ctx.replica_id.unique_id
         self._options = controller
         self._metrics = replica_metrics(self._app, self._id)
@@ -178,7 +185,7 @@ class LLMReplica:
         start = time.perf_counter()
         first_at = last_at = None
         completion_tokens = 0
-        deltas = self._engine.generate(request)
+        deltas = self._pacer.pace(self._engine.generate(request))
         try:
             async for delta in deltas:
                 last_at = time.perf_counter()

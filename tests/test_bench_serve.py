@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from serve_app.bench.__main__ import main
-from serve_app.bench.client import Record
+from serve_app.bench.client import Record, with_overrides
 from serve_app.bench.serve import window_order
 from serve_app.bench.trace import make_trace, policy_stats, rates_from_sweep
 
@@ -129,15 +129,29 @@ def test_bench_serve_brings_up_the_app_of_a_config_itself(tmp_path):
     config.write_text(textwrap.dedent(TINY_CONFIG))
     env = {k: v for k, v in os.environ.items() if k != "SPECSERVE_BENCH_TEST_TOKEN"}
     proc = subprocess.run([sys.executable, "-m", "serve_app.bench", "serve", "--config", str(config),
-                           "--concurrency", "2", "--policies", "off,dynamic", *FAST, "--out", str(out)],
+                           "--concurrency", "2", "--policies", "off,dynamic", *FAST, "--out", str(out),
+                           "--set", "streaming.chunks_per_s=0"],
                           cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert result["meta"]["overrides"] == ["streaming.chunks_per_s=0"]
+    rows = result["rows"]
     assert [(r["policy"], r["mode_share"].get("0")) for r in rows][0] == ("off", 1.0)
     assert "dynamic / best static: c=2" in proc.stdout
 
 
 # -- pure parts --------------------------------------------------------------------------
+def test_set_changes_one_app_arg_of_the_config_and_refuses_what_is_not_a_path():
+    raw = {"streaming": {"chunks_per_s": 200}, "engine": {"embedded": {"model": "x"}}}
+    out = with_overrides(raw, ["streaming.chunks_per_s=0", "engine.embedded.max_num_seqs=64", "limits.retries=1"])
+    assert out == {"streaming": {"chunks_per_s": 0}, "engine": {"embedded": {"model": "x", "max_num_seqs": 64}},
+                   "limits": {"retries": 1}}
+    assert raw["streaming"]["chunks_per_s"] == 200, "the config read stays as it was"
+    for bad in ("streaming.chunks_per_s", "=3", "engine.embedded.model.x=1"):
+        with pytest.raises(SystemExit):
+            with_overrides(raw, [bad])
+
+
 def test_traces_are_seeded_and_every_arrival_is_in_its_phase():
     a, b = make_trace("bursty", 3, 0.5, 5, 10, 5), make_trace("bursty", 3, 0.5, 5, 10, 5)
     assert a == b and a != make_trace("bursty", 4, 0.5, 5, 10, 5)

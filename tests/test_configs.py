@@ -12,7 +12,7 @@ from serve_app.config import AppArgs
 CONFIGS = Path(__file__).parent.parent / "configs"
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml", "gpu-h200.yaml", "tiny-random.yaml"])
 def test_config_validates(name):
     raw = yaml.safe_load((CONFIGS / name).read_text())
     schema = (

@@ -3,7 +3,7 @@
 #   infra/gpu/run_h200.sh prepare PIECES_DIR   # keep the carried pieces; once all are there, unpack the
 #                                              # bundle (infra/gpu/unpack.sh) and export the models
 #   infra/gpu/run_h200.sh engine  OUT_DIR      # infra/gpu/engine_study.py: lossless greedy output, speed per step count
-#   infra/gpu/run_h200.sh serve   OUT_DIR [plain|app|all]
+#   infra/gpu/run_h200.sh serve   OUT_DIR [plain|app|all [serve_study options]]   (RESULT=, CONFIG= to change names)
 #                                              # infra/gpu/serve_study.py: plain SGLang's table; serve run
 #                                              # configs/gpu-h200.yaml, the openai client, the tables, the ramp
 # Each step writes its log and JSON under OUT_DIR; `serve` merges `engine`'s JSON (kept in
@@ -58,11 +58,13 @@ EOF
     source "$gpu/env.sh"
     mkdir -p "$dir"
     part="${3:-all}"
+    shift $(( $# < 3 ? $# : 3 ))  # what is left goes to serve_study.py (e.g. --quick)
+    result="${RESULT:-gpu_sglang_h200.json}"
     rc=0
-    python3 infra/gpu/serve_study.py --config configs/gpu-h200.yaml --model "$gpu/hf/target" --part "$part" \
-      --engine-json "${ENGINE_JSON:-$gpu/engine.json}" --out "$gpu/gpu_sglang_h200.json" --logs "$dir/logs-$part" \
-      --ray-stop-force 2>&1 | tee "$dir/serve-$part.log" || rc=$?
-    cp "$gpu/gpu_sglang_h200.json" "$dir/" 2>/dev/null || true
+    python3 infra/gpu/serve_study.py --config "${CONFIG:-configs/gpu-h200.yaml}" --model "$gpu/hf/target" --part "$part" \
+      --engine-json "${ENGINE_JSON:-$gpu/engine.json}" --out "$gpu/$result" --logs "$dir/logs-$part" \
+      --ray-stop-force "$@" 2>&1 | tee "$dir/serve-$part.log" || rc=$?
+    cp "$gpu/$result" "$dir/" 2>/dev/null || true
     exit "$rc"
     ;;
   *)

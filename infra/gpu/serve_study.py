@@ -366,10 +366,11 @@ class Events:
 
 
 # -- the measurements --------------------------------------------------------------------
-async def table(target: Target, label: str, prompts, res: Results, replicas: bool) -> None:
+async def table(target: Target, label: str, prompts, res: Results, replicas: bool,
+                concurrency: tuple[int, ...] = CONCURRENCY) -> None:
     rows = res.data["rows"]
     async with Poller(target) as poller:
-        for c in CONCURRENCY:
+        for c in concurrency:
             if c > MAX_CLIENTS:
                 continue
             w = await measure_window(target, poller, prompts, c, SETTLE_S, MEASURE_S, MAX_TOKENS, True)
@@ -521,7 +522,13 @@ def app_port(config: str) -> int:
     return int((raw.get("http_options") or {}).get("port", 8000))
 
 
-async def measure_app(config: str, logs: Path, prompts, res: Results) -> None:
+APP_TABLES = (("steps 3", 3), ("steps 0", 0), ("dynamic", None))
+QUICK_TABLES, QUICK_CONCURRENCY = (("steps 3", 3), ("steps 0", 0)), (16, 64, 256)
+
+
+async def measure_app(config: str, logs: Path, prompts, res: Results, quick: bool = False) -> None:
+    """The app's phases; ``quick``: after the openai client, only the tables of steps 3 and 0 at
+    16, 64 and 256 clients."""
     port = app_port(config)
     url = f"http://127.0.0.1:{port}"
     refuse_if_taken(port, "`serve run`'s HTTP proxy")
@@ -543,20 +550,23 @@ async def measure_app(config: str, logs: Path, prompts, res: Results) -> None:
         data["app_start_s"] = round(time.perf_counter() - t0, 1)
         res.done("app: start")
 
-        res.begin("app: openai client")
+        res.begin("app: openai client")  # also waits for the replica: the ingress answers before it is up
         data["openai_client"] = await openai_client_checks(target.model, url)
         say(f"  openai client: {data['openai_client']}")
         res.done("app: openai client")
 
-        for label, steps in (("steps 3", 3), ("steps 0", 0), ("dynamic", None)):
+        for label, steps in QUICK_TABLES if quick else APP_TABLES:
             res.begin(f"app: table {label}")
             if steps is None:
                 await target.put_mode(None)
             else:
                 await target.apply_policy("spec" if steps else "off", steps)
-            await table(target, label, prompts, res, replicas=True)
+            await table(target, label, prompts, res, replicas=True,
+                        concurrency=QUICK_CONCURRENCY if quick else CONCURRENCY)
             data["tables"][label] = await events.new(target)
             res.done(f"app: table {label}")
+        if quick:
+            return
 
         res.begin("app: ramp")
         r = await ramp(target, prompts, res, events)
@@ -631,7 +641,7 @@ async def main_async(args, res: Results) -> None:
             res.data["phase_running"] = None
     if args.part in ("app", "all"):
         try:
-            await measure_app(args.config, logs, prompts, res)
+            await measure_app(args.config, logs, prompts, res, quick=args.quick)
         except Exception as e:
             res.error(res.data["phase_running"] or "app", e)
             raise
@@ -678,6 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", choices=("plain", "app", "all", "engine"), default="all",
                     help="plain SGLang's table, the app's phases, or both; a part adds to an existing --out; "
                          "engine: only merge --engine-json into --out")
+    ap.add_argument("--quick", action="store_true",
+                    help="the app part only: the openai client, tables of steps 3 and 0 at 16, 64 and 256 clients (no ramp)")
     ap.add_argument("--ray-stop-force", action="store_true",
                     help="after stopping `serve run`, also run `ray stop --force` (kills EVERY Ray process here)")
     args = ap.parse_args(argv)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import secrets
@@ -235,9 +236,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def with_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``raw`` app args with each ``dotted.path=VALUE`` set (VALUE read as YAML: 200, true, [0, 3])."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        path, sep, value = item.partition("=")
+        keys = path.strip().split(".")
+        if not sep or not all(keys):
+            raise SystemExit(f"--set takes dotted.path=VALUE, e.g. streaming.chunks_per_s=200; got {item!r}")
+        node = out
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise SystemExit(f"--set {item!r}: {key} is not a section")
+        node[keys[-1]] = yaml.safe_load(value)
+    return out
+
+
 @contextmanager
-def local_app(config: str) -> Iterator[str]:
-    """Deploy ``config``'s application on a fresh local Ray; yields its base URL; tears all down."""
+def local_app(config: str, overrides: list[str] | None = None) -> Iterator[str]:
+    """Deploy ``config``'s application (``overrides`` applied) on a fresh local Ray; yields its
+    base URL; tears all down."""
     import ray
     from ray import serve
 
@@ -245,7 +264,7 @@ def local_app(config: str) -> Iterator[str]:
     from ..config import AppArgs
 
     name, raw_args = read_config(config)
-    args = AppArgs.model_validate(raw_args)
+    args = AppArgs.model_validate(with_overrides(raw_args, overrides or []))
     if not os.environ.get(args.admin_token_env):  # before Ray starts: its workers inherit it
         os.environ[args.admin_token_env] = secrets.token_hex(16)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -271,6 +290,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token-env", default=None,
                    help="environment variable with the admin token (default: the config's admin_token_env, "
                         "or SPECSERVE_ADMIN_TOKEN with --url)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="with --config: change one of its app args, e.g. --set streaming.chunks_per_s=0 (repeatable)")
     p.add_argument("--prompt-set", default="chat", help="comma list of prompt sets, interleaved (default chat)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request, at most (default 128)")
     p.add_argument("--ignore-eos", action="store_true", help="every request runs to --max-tokens")
@@ -294,5 +315,7 @@ def run_against_target(args: argparse.Namespace, body: Callable[[Target], Awaita
 
     if args.url:
         return asyncio.run(main(args.url))
-    with local_app(args.config) as url:
+    if getattr(args, "overrides", None) and args.url:
+        raise SystemExit("--set changes a --config's app args; it cannot change a running application (--url)")
+    with local_app(args.config, getattr(args, "overrides", None)) as url:
         return asyncio.run(main(url))
