@@ -15,8 +15,34 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from serve_app.engines.base import SamplingParams
 
 
+def _text_only(value: Any) -> Any:
+    """``value`` as it is, if every string in it is text that UTF-8 can carry (JSON's ``\\ud800``
+    escapes make lone surrogates, which no tokenizer or response can encode)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the string holds {value[e.start]!r} at {e.start}, which is not text (a lone "
+                             "UTF-16 surrogate)") from None
+    elif isinstance(value, list):
+        for item in value:
+            _text_only(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _text_only(item)
+    return value
+
+
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields are ignored; known ones take their JSON type only (no ``true`` for a
+    number, no ``"0.5"`` for a float: those are 400s naming the field, not silent coercions)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strings_are_text(cls, value: Any) -> Any:
+        return _text_only(value)
 
 
 class UnsupportedParameter(ValueError):
@@ -260,7 +286,7 @@ def error_body(message: str, type_: ErrorType, param: str | None = None, code: s
 class SpeculationUpdate(BaseModel):
     """``PUT /v1/speculation``: force a mode, return to auto, and/or change policy fields."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["auto", "fixed"] | None = None
     num_steps: int | None = Field(default=None, ge=0, le=64)

@@ -83,6 +83,26 @@ CORPUS = [
     ),
     ("chat-stream-bad-temperature", CHAT, {"messages": USER, "stream": True, "temperature": -1}, 400, "temperature"),
     ("chat-unknown-model", CHAT, {"messages": USER, "model": "nope"}, 404, "nope"),
+    # Text that is not text, numbers past 64 bits or a float's range, values of the wrong JSON type.
+    ("lone-surrogate-prompt", C, b'{"prompt": "a\\ud800b"}', 400, "surrogate"),
+    ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "surrogate"),
+    ("lone-surrogate-stop", C, b'{"prompt": "x", "stop": ["\\ud83d"]}', 400, "stop"),
+    ("lone-surrogate-model", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "model": "\\ud800"}', 400, "model"),
+    ("max-tokens-true", C, {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ("max-tokens-past-64-bits", C, {"prompt": "x", "max_tokens": 2**70}, 400, "max_tokens"),
+    ("temperature-false", C, {"prompt": "x", "temperature": False}, 400, "temperature"),
+    ("temperature-numeric-string", C, {"prompt": "x", "temperature": "0.5"}, 400, "temperature"),
+    ("temperature-nan", C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("temperature-past-a-float", C, b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+    ("top-p-infinity", C, b'{"prompt": "x", "top_p": Infinity}', 400, "top_p"),
+    ("seed-past-64-bits", C, {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("seed-true", C, {"prompt": "x", "seed": True}, 400, "seed"),
+    ("n-true", C, {"prompt": "x", "n": True}, 400, "n"),
+    ("stream-one", CHAT, {"messages": USER, "stream": 1}, 400, "stream"),
+    ("ignore-eos-string", C, {"prompt": "x", "ignore_eos": "true"}, 400, "ignore_eos"),
+    ("include-usage-string", CHAT, {"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "include_usage"),
+    ("token-id-past-64-bits", C, {"prompt": [2**70]}, 400, "token ids"),
 ]
 
 
@@ -121,3 +141,24 @@ def test_the_server_is_healthy_after_the_corpus(guard_app):
 def test_a_request_without_max_tokens_gets_the_default_cut_to_the_cap(guard_app):
     r = guard_app.http.post(CHAT, json={"messages": USER, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == GUARD_LIMITS["max_tokens"]
+
+
+@pytest.mark.parametrize("body, names", [
+    ({"mode": "fixed", "num_steps": True}, "num_steps"),
+    ({"mode": "fixed", "num_steps": "3"}, "num_steps"),
+    ({"mode": "fixed", "num_steps": 2**70}, "num_steps"),
+    ({"policy": {"margin": True}}, "margin"),
+    ({"policy": {"dwell_s": "1"}}, "dwell_s"),
+    (b'{"mode": "\\ud800"}', "mode"),
+], ids=["num-steps-true", "num-steps-string", "num-steps-past-64-bits", "margin-true", "dwell-string", "mode-surrogate"])
+def test_operator_input_of_the_wrong_type_is_a_400_naming_it(guard_app, body, names):
+    before = {k: guard_app.speculation()[k] for k in ("mode", "override", "policy")}
+    if isinstance(body, bytes):
+        r = guard_app.http.put("/v1/speculation", content=body,
+                               headers={**guard_app.admin, "content-type": "application/json"})
+    else:
+        r = guard_app.put(body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert names in f"{err['message']} {err['param']}", err
+    assert {k: guard_app.speculation()[k] for k in ("mode", "override", "policy")} == before, "nothing changed"

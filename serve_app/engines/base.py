@@ -41,6 +41,17 @@ class EngineOverloadedError(EngineError):
         self.retry_after_s = retry_after_s
 
 
+def _number(name: str, value: object) -> float:
+    """``value`` as a float, or InvalidRequestError naming ``name`` (a bool, a string, an integer
+    past a float's range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", name)
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidRequestError(f"{name} is out of range, got an integer of {value.bit_length()} bits", name) from None
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 is greedy (and then top_p and seed do not matter)."""
@@ -56,9 +67,9 @@ class SamplingParams:
         """Raise InvalidRequestError naming the first bad field."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
-        if not 0.0 <= float(self.temperature) <= 2.0:
+        if not 0.0 <= _number("temperature", self.temperature) <= 2.0:
             raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature!r}", "temperature")
-        if not 0.0 < float(self.top_p) <= 1.0:
+        if not 0.0 < _number("top_p", self.top_p) <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
@@ -68,6 +79,8 @@ class SamplingParams:
             raise InvalidRequestError("each stop string must be at most 256 characters", "stop")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidRequestError(f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}", "seed")
 
 
 @dataclass(slots=True)
