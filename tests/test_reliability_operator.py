@@ -42,6 +42,16 @@ def test_the_admin_token_is_never_logged(guard_app, ray_session):  # noqa: F811
     assert TEST_ADMIN_TOKEN not in text and wrong not in text  # ...but no token
 
 
+def test_the_admin_token_is_taken_from_the_authorization_header_only(guard_app):  # noqa: F811
+    for query in ({"token": TEST_ADMIN_TOKEN}, {"access_token": TEST_ADMIN_TOKEN},
+                  {"authorization": f"Bearer {TEST_ADMIN_TOKEN}"}):
+        r = guard_app.http.put("/v1/speculation", params=query, json={"mode": "auto"})
+        assert r.status_code == 401, (query, r.text)
+        assert r.json()["error"]["type"] == "authentication_error"
+    r = guard_app.http.put("/v1/speculation", json={"mode": "auto"}, cookies={"token": TEST_ADMIN_TOKEN})
+    assert r.status_code == 401
+
+
 def test_operator_puts_are_rate_limited_with_retry_after(guard_app):  # noqa: F811
     guess = {"Authorization": "Bearer guess"}
 
