@@ -523,7 +523,7 @@ def app_port(config: str) -> int:
 
 
 APP_TABLES = (("steps 3", 3), ("steps 0", 0), ("dynamic", None))
-QUICK_TABLES, QUICK_CONCURRENCY = (("steps 3", 3), ("steps 0", 0)), (16, 64, 256)
+QUICK_TABLES, QUICK_CONCURRENCY = APP_TABLES[:2], (16, 64, 256)
 
 
 async def measure_app(config: str, logs: Path, prompts, res: Results, quick: bool = False) -> None:
@@ -648,8 +648,7 @@ async def main_async(args, res: Results) -> None:
 
 
 PLAIN_PHASES = ("plain: start", "plain: table")
-APP_PHASES = ("app: start", "app: openai client", "app: table steps 3", "app: table steps 0", "app: table dynamic",
-              "app: ramp")
+APP_PHASES = ("app: start", "app: openai client", *(f"app: table {label}" for label, _ in APP_TABLES), "app: ramp")
 
 
 def complete(data: dict) -> bool:

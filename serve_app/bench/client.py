@@ -314,8 +314,8 @@ def run_against_target(args: argparse.Namespace, body: Callable[[Target], Awaita
             await target.aclose()
 
     if args.url:
+        if args.overrides:
+            raise SystemExit("--set changes a --config's app args; it cannot change a running application (--url)")
         return asyncio.run(main(args.url))
-    if getattr(args, "overrides", None) and args.url:
-        raise SystemExit("--set changes a --config's app args; it cannot change a running application (--url)")
-    with local_app(args.config, getattr(args, "overrides", None)) as url:
+    with local_app(args.config, args.overrides) as url:
         return asyncio.run(main(url))

@@ -223,7 +223,7 @@ def meta(args: argparse.Namespace, target: Target, status: dict, spec_steps: int
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python -m serve_app.bench", *sys.argv[1:]]),
         "config": None if args.url else args.config,
-        "overrides": getattr(args, "overrides", []),
+        "overrides": args.overrides,
         "url": args.url,
         "model": target.model,
         "replicas": len(status["replicas"]),
