@@ -2,7 +2,7 @@
 # Download the sglang wheels of every supported release (no dependencies; 22-39 MB each) into a
 # cache, once, check their sha256, and print the cache folder. The releases and sums are in
 # .ci/sglang_wheels.txt; the tests find the wheels in the same folder
-# (serve_app/engines/sglang/pinned.py). Override the folder with SPECSERVE_WHEEL_CACHE, the
+# (serve_app/tools/sglang_pins.py). Override the folder with SPECSERVE_WHEEL_CACHE, the
 # Python with PYTHON.
 set -euo pipefail
 list="$(dirname "$0")/sglang_wheels.txt"

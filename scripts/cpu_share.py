@@ -21,8 +21,8 @@ from datetime import UTC, datetime
 
 import psutil
 
-from serve_app.bench.client import Poller, add_target_arguments, prompt_messages, run_against_target
-from serve_app.bench.serve import run_point
+from serve_app.tools.bench.client import Poller, add_target_arguments, prompt_messages, run_against_target
+from serve_app.tools.bench.serve import run_point
 
 
 def group(p: psutil.Process) -> str:

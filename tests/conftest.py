@@ -132,8 +132,8 @@ class LiveApp:
 def deploy(name: str, base_url: str, args: dict) -> LiveApp:
     from ray import serve
 
-    from serve_app.app import build_app
-    from serve_app.controller import delete_controller
+    from serve_app.control.actor import delete_controller
+    from serve_app.serving.app import build_app
 
     delete_controller(name)
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
@@ -143,7 +143,7 @@ def deploy(name: str, base_url: str, args: dict) -> LiveApp:
 def undeploy(app: LiveApp) -> None:
     from ray import serve
 
-    from serve_app.controller import delete_controller
+    from serve_app.control.actor import delete_controller
 
     serve.delete(app.name)
     delete_controller(app.name)
@@ -180,7 +180,7 @@ def sglang_release(request) -> str:
 @pytest.fixture(scope="module")
 def sglang_src(sglang_release):
     """That release's wheel source, unpacked; a failure in CI, a skip elsewhere, if absent."""
-    from serve_app.engines.sglang.pinned import source_tree
+    from serve_app.tools.sglang_pins import source_tree
 
     path = source_tree(sglang_release)
     if path is None:

@@ -5,8 +5,8 @@ import time
 import pytest
 from ray import serve
 
-from serve_app.app import build_app
-from serve_app.controller import NAMESPACE, controller_name
+from serve_app.control.actor import NAMESPACE, controller_name
+from serve_app.serving.app import build_app
 
 from .load_gen import LoadGen
 

@@ -1,12 +1,12 @@
-"""`python -m serve_app.bench engine` end to end on the tiny-random model, plus its pure parts."""
+"""`python -m serve_app.tools.bench engine` end to end on the tiny-random model, plus its pure parts."""
 
 import json
 
 import pytest
 
-from serve_app.bench.__main__ import main
-from serve_app.bench.prompts import PROMPT_SETS, chat_messages
-from serve_app.bench.stats import RequestTiming, acceptance, crossover, percentile
+from serve_app.tools.bench.__main__ import main
+from serve_app.tools.bench.prompts import PROMPT_SETS, chat_messages
+from serve_app.tools.bench.stats import RequestTiming, acceptance, crossover, percentile
 
 ROW_FIELDS = {"prompt_set", "num_steps", "concurrency", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
               "tpot_p50_ms", "tpot_p99_ms", "accept_rate", "mean_accepted_len"}
@@ -39,7 +39,7 @@ def test_engine_bench_writes_one_row_per_prompt_set_num_steps_and_concurrency(tm
     assert set(result["crossover"]) == {"copy", "chat"}
     meta = result["meta"]
     assert meta["model"] == "tiny-random" and meta["max_tokens"] == 8 and meta["threads"] >= 1
-    assert meta["command"].startswith("python -m serve_app.bench")
+    assert meta["command"].startswith("python -m serve_app.tools.bench")
     printed = capsys.readouterr().out
     assert "[copy]" in printed and "[chat]" in printed and "crossover" in printed
 
@@ -59,9 +59,9 @@ def test_transformers_greedy_output_matches_the_engine_on_tiny_random():
     """The HF pair is only honest if transformers runs the very model the engine runs."""
     import torch
 
-    from serve_app.bench.engine import load_hf_model
     from serve_app.engines.embedded import EmbeddedOptions
     from serve_app.engines.embedded.engine import build_core
+    from serve_app.tools.bench.engine import load_hf_model
 
     core = build_core(EmbeddedOptions(model="tiny-random"))
     ids = core.tokenizer("The quick brown fox", add_special_tokens=False).input_ids

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.bench.__main__ import main
-from serve_app.bench.client import Record, with_overrides
-from serve_app.bench.serve import window_order
-from serve_app.bench.trace import make_trace, policy_stats, rates_from_sweep
+from serve_app.tools.bench.__main__ import main
+from serve_app.tools.bench.client import Record, with_overrides
+from serve_app.tools.bench.serve import window_order
+from serve_app.tools.bench.trace import make_trace, policy_stats, rates_from_sweep
 
 ROW_FIELDS = {"policy", "concurrency", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
               "tpot_p99_ms", "switches"}
@@ -21,7 +21,7 @@ TINY_CONFIG = """
 applications:
   - name: benchtiny
     route_prefix: /
-    import_path: serve_app.app:build_app
+    import_path: serve_app.serving.app:build_app
     args:
       engine:
         embedded: {model: tiny-random, device: cpu, num_threads: 1, max_num_seqs: 8}
@@ -128,7 +128,7 @@ def test_bench_serve_brings_up_the_app_of_a_config_itself(tmp_path):
     config, out = tmp_path / "tiny.yaml", tmp_path / "sweep.json"
     config.write_text(textwrap.dedent(TINY_CONFIG))
     env = {k: v for k, v in os.environ.items() if k != "SPECSERVE_BENCH_TEST_TOKEN"}
-    proc = subprocess.run([sys.executable, "-m", "serve_app.bench", "serve", "--config", str(config),
+    proc = subprocess.run([sys.executable, "-m", "serve_app.tools.bench", "serve", "--config", str(config),
                            "--concurrency", "2", "--policies", "off,dynamic", *FAST, "--out", str(out),
                            "--set", "streaming.chunks_per_s=0"],
                           cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True, timeout=240)
@@ -182,7 +182,7 @@ def test_a_request_s_tokens_are_spread_over_its_chunks_for_windowed_throughput()
 
 
 def test_report_explains_a_short_point_by_what_dynamic_ran():
-    from serve_app.bench.report import why_short
+    from serve_app.tools.bench.report import why_short
 
     def rows(spec, off, dyn, dyn_mode, switches=0):
         return [{"policy": "spec", "concurrency": 16, "output_tokens_per_s": spec, "mode_share": {"3": 1.0}},
@@ -208,8 +208,8 @@ def test_staggered_clients_send_their_first_requests_spread_over_the_stagger():
     import asyncio
     import time
 
-    from serve_app.bench.client import Record
-    from serve_app.bench.serve import measure_window
+    from serve_app.tools.bench.client import Record
+    from serve_app.tools.bench.serve import measure_window
 
     class FakeTarget:
         def __init__(self):
@@ -240,7 +240,7 @@ def test_staggered_clients_send_their_first_requests_spread_over_the_stagger():
 
 
 def test_report_says_when_dynamic_ran_one_mode_through_the_trace():
-    from serve_app.bench.report import trace_checks
+    from serve_app.tools.bench.report import trace_checks
 
     def policy(goodput, modes, switches=0):
         return {"goodput_tokens_per_s": goodput, "tpot_p50_low_load_ms": 20.0, "switches": switches,

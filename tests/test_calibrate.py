@@ -1,4 +1,4 @@
-"""`python -m serve_app.calibrate`: from a measured sweep to a policy file the configs include."""
+"""`python -m serve_app.tools.calibrate`: from a measured sweep to a policy file the configs include."""
 
 from pathlib import Path
 
@@ -6,8 +6,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from serve_app.calibrate import crossover, derive_tiers, main, plain_crossovers
-from serve_app.config import AppArgs, PolicyConfig
+from serve_app.control.config import PolicyConfig
+from serve_app.serving.config import AppArgs
+from serve_app.tools.calibrate import crossover, derive_tiers, main, plain_crossovers
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -53,7 +54,7 @@ def test_calibrate_sweeps_the_deployed_app_and_writes_a_policy_file_configs_incl
     written = yaml.safe_load(policy_file.read_text())
     assert written["tiers"][-1] == {"below": None, "num_steps": 0}
     assert written["margin"] == tiny_app.args["policy"]["margin"]  # hysteresis kept from the app's policy
-    assert policy_file.read_text().startswith("# Written by `python -m serve_app.calibrate")
+    assert policy_file.read_text().startswith("# Written by `python -m serve_app.tools.calibrate")
     args = AppArgs.model_validate({"policy_file": str(policy_file)})
     assert args.policy.model_dump() == written
     measured = yaml.safe_load(results.read_text())["measurements"]  # JSON is YAML

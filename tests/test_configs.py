@@ -7,7 +7,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.config import AppArgs
+from serve_app.serving.config import AppArgs
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -21,7 +21,7 @@ def test_config_validates(name):
         else ServeDeploySchema.parse_obj(raw)
     )
     (app,) = schema.applications
-    assert app.import_path == "serve_app.app:build_app"
+    assert app.import_path == "serve_app.serving.app:build_app"
     args = AppArgs.model_validate(app.args)
     assert args.policy.tiers[-1].num_steps == 0
 
@@ -61,7 +61,7 @@ def test_a_bad_config_fails_naming_the_field(args, field):
 
 
 def test_build_app_validates_its_args():
-    from serve_app.app import build_app
+    from serve_app.serving.app import build_app
 
     with pytest.raises(ValidationError, match="policy.dwell_s"):
         build_app({"policy": {"dwell_s": "soon"}})

@@ -4,13 +4,9 @@ import time
 
 import pytest
 
-from serve_app.config import ControllerOptions, PolicyConfig, Tier
-from serve_app.controller import (
-    ControlLoop,
-    ReplicaReport,
-    delete_controller,
-    get_or_create_controller,
-)
+from serve_app.control.actor import delete_controller, get_or_create_controller
+from serve_app.control.config import ControllerOptions, PolicyConfig, Tier
+from serve_app.control.loop import ControlLoop, ReplicaReport
 
 FAST = PolicyConfig(
     tiers=[Tier(below=4, num_steps=5), Tier(below=12, num_steps=3), Tier(num_steps=0)],

@@ -9,7 +9,7 @@ import pytest
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
-from serve_app.dashboards import DASHBOARDS_DIR, build_all, render
+from serve_app.tools.dashboards import DASHBOARDS_DIR, build_all, render
 
 ROOT = Path(__file__).resolve().parents[1]
 # Grafana's schema leaves an annotation query open for its datasource's own fields.
@@ -21,7 +21,7 @@ def test_committed_dashboards_equal_what_the_generator_writes():
     assert sorted(p.name for p in DASHBOARDS_DIR.glob("*.json")) == sorted(built)
     for name, dashboard in built.items():
         assert (DASHBOARDS_DIR / name).read_text() == render(dashboard), (
-            f"dashboards/{name} is stale: run python -m serve_app.dashboards build"
+            f"dashboards/{name} is stale: run python -m serve_app.tools.dashboards build"
         )
 
 
@@ -48,7 +48,7 @@ def test_every_query_aggregates_away_rays_per_process_labels():
 
 
 def test_every_dashboard_metric_is_defined_and_documented():
-    source = (ROOT / "serve_app/metrics.py").read_text()
+    source = "".join((ROOT / f"serve_app/{part}/metrics.py").read_text() for part in ("serving", "control"))
     defined = set(re.findall(r'"(specserve_\w+)"', source))
     docs = (ROOT / "docs/metrics.md").read_text()
     for name in defined:

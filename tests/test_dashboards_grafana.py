@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.config import GrafanaAnnotations
-from serve_app.dashboards import build_all
-from serve_app.dashboards.annotations import GrafanaAnnotator
-from serve_app.dashboards.publish import publish
+from serve_app.control.config import GrafanaAnnotations
+from serve_app.tools.dashboards import build_all
+from serve_app.tools.dashboards.annotations import GrafanaAnnotator
+from serve_app.tools.dashboards.publish import publish
 
 RECORDED = json.loads((Path(__file__).parent / "fixtures/grafana_publish.json").read_text())["exchanges"]
 TOKEN = "glsa_recorded"

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from serve_app.bench.prompts import PROMPT_SETS, chat_messages
-from serve_app.engines.embedded import train_draft_head
 from serve_app.engines.embedded.eagle import default_head_path, load_head
+from serve_app.tools import train_draft_head
+from serve_app.tools.bench.prompts import PROMPT_SETS, chat_messages
 
 from .engine_helpers import run_greedy, sync_engine
 from .test_engine_lossless import TINY_PROMPTS, random_schedule

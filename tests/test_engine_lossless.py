@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from serve_app.bench.prompts import PROMPT_SETS
+from serve_app.tools.bench.prompts import PROMPT_SETS
 
 from .engine_helpers import run_greedy, sync_engine
 

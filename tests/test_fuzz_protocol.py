@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from serve_app.engines.base import InvalidRequestError
-from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, SpeculationUpdate, UnsupportedParameter
+from serve_app.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SpeculationUpdate,
+    UnsupportedParameter,
+)
 
 # JSON as clients send it, and as they should not: huge and negative integers, NaN and
 # infinities (Python's json reads them), booleans, strings with lone surrogates, nesting.

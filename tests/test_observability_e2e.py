@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from serve_app.dashboards import build_all
+from serve_app.tools.dashboards import build_all
 from tests.conftest import TEST_ADMIN_TOKEN_ENV, app_args, deploy, free_port, undeploy
 from tests.load_gen import LoadGen
 

@@ -5,8 +5,8 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from serve_app.config import PolicyConfig, Tier
-from serve_app.policy import LoadSample, ModeState, decide, raw_tier, target_tier
+from serve_app.control.config import PolicyConfig, Tier
+from serve_app.control.policy import LoadSample, ModeState, decide, raw_tier, target_tier
 
 # load/replica < 4 → 5 steps, < 12 → 3 steps, else 0.
 LADDER = PolicyConfig(margin=1.0, dwell_s=2.0, min_switch_interval_s=5.0, smoothing_s=1.0)

@@ -1,10 +1,10 @@
-"""Faults under load, with the scenarios of ``python -m serve_app.bench faults`` at short settings:
+"""Faults under load, with the scenarios of ``python -m serve_app.tools.bench faults`` at short settings:
 a replica killed, the controller killed 5 times, a 10 s switch storm. No client-visible failure,
 greedy outputs identical to the reference throughout."""
 
 import pytest
 
-from serve_app.bench.faults import Target, controller_kill, replica_kill, switch_storm
+from serve_app.tools.bench.faults import Target, controller_kill, replica_kill, switch_storm
 from tests.conftest import TEST_ADMIN_TOKEN, app_args, deploy, undeploy
 
 REPLICAS = 2

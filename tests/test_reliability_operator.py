@@ -8,7 +8,7 @@ import uuid
 import httpx
 import yaml
 
-from serve_app.config import AppArgs
+from serve_app.serving.config import AppArgs
 from tests.conftest import TEST_ADMIN_TOKEN, app_args, deploy, undeploy
 from tests.test_bad_input import guard_app  # noqa: F401  (the shared app fixture)
 

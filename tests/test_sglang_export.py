@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from serve_app.engines.embedded.eagle import EagleDrafter, load_head
-from serve_app.engines.sglang import export
 from serve_app.engines.sglang.config import local_context_length
+from serve_app.tools import export_sglang as export
 
 EXPORT_PY = Path(export.__file__)
 # LlamaForCausalLMEagle3's parameters with one layer and an untied head: llama_eagle3.py

@@ -16,7 +16,7 @@ import pytest
 from serve_app.engines.sglang import plugin, policy
 from serve_app.engines.sglang.compat import RELEASES
 from serve_app.engines.sglang.config import SGLangOptions, build_server_args
-from serve_app.engines.sglang.pinned import (
+from serve_app.tools.sglang_pins import (
     WHEEL_LIST,
     check_server_args,
     check_symbols,
@@ -136,7 +136,7 @@ def test_server_arguments_against_the_real_ServerArgs_when_it_imports(sglang_src
 def test_the_fetch_script_and_the_tests_agree_on_where_the_wheels_are(tmp_path, monkeypatch):
     import subprocess
 
-    from serve_app.engines.sglang.pinned import CACHE_ENV, find_wheel
+    from serve_app.tools.sglang_pins import CACHE_ENV, find_wheel
 
     names = [line.split()[1] for line in WHEEL_LIST.read_text().splitlines() if line and not line.startswith("#")]
     for name in names:

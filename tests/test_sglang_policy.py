@@ -18,8 +18,8 @@ import pytest
 
 from serve_app.engines.sglang import compat, plugin
 from serve_app.engines.sglang.config import SGLangOptions, write_adaptive_config
-from serve_app.engines.sglang.pinned import sglang_modules
 from serve_app.engines.sglang.policy import CommandedStepsPolicy, StatePublisher, read_states
+from serve_app.tools.sglang_pins import sglang_modules
 
 
 def runtime_stand_ins() -> None:

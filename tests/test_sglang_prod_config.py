@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from serve_app.engines.sglang.config import SGLangOptions, build_server_args
-from serve_app.engines.sglang.pinned import check_server_args, server_arg_types
+from serve_app.tools.sglang_pins import check_server_args, server_arg_types
 
 ROOT = Path(__file__).resolve().parents[1]
 PROD = ROOT / "configs" / "prod.yaml"
@@ -22,7 +22,7 @@ def prod():
 def test_prod_yaml_is_a_valid_serve_config_with_valid_app_args(prod):
     from ray.serve.schema import ServeDeploySchema
 
-    from serve_app.config import AppArgs
+    from serve_app.serving.config import AppArgs
 
     ServeDeploySchema.model_validate(prod)
     args = AppArgs.model_validate(prod["applications"][0]["args"])
@@ -56,8 +56,8 @@ def test_the_rayservice_serves_exactly_prod_yaml(prod):
 def test_the_gpu_config_is_valid_and_its_arguments_exist_in_the_sglang_the_gpu_bundle_carries(tmp_path):
     from ray.serve.schema import ServeDeploySchema
 
-    from serve_app.config import AppArgs
-    from serve_app.engines.sglang.pinned import source_tree
+    from serve_app.serving.config import AppArgs
+    from serve_app.tools.sglang_pins import source_tree
 
     raw = yaml.safe_load((ROOT / "configs" / "gpu-h200.yaml").read_text())
     ServeDeploySchema.model_validate(raw)

@@ -6,12 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve_app.config import ControllerOptions, PolicyConfig, Tier, load_policy_file
-from serve_app.simulate.__main__ import curve_policy, main
-from serve_app.simulate.curves import from_bench, load_curve, mean_accepted
-from serve_app.simulate.sim import ClosedLoop, SimOptions, Simulation
-from serve_app.simulate.traces import Trace, bursty
-from serve_app.simulate.validate import stack_efficiency
+from serve_app.control.config import ControllerOptions, PolicyConfig, Tier, load_policy_file
+from serve_app.tools.simulate.__main__ import curve_policy, main
+from serve_app.tools.simulate.curves import from_bench, load_curve, mean_accepted
+from serve_app.tools.simulate.sim import ClosedLoop, SimOptions, Simulation
+from serve_app.tools.simulate.traces import Trace, bursty
+from serve_app.tools.simulate.validate import stack_efficiency
 
 BENCH = Path(__file__).parent / "data" / "engine_bench_sample.json"
 ROOF = load_curve("h200-8b-roofline")

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from serve_app.config import AppArgs, StreamOptions
 from serve_app.engines.base import TokenDelta
-from serve_app.streaming import StreamPacer, merge
+from serve_app.serving.config import AppArgs, StreamOptions
+from serve_app.serving.streaming import StreamPacer, merge
 
 
 async def engine_stream(n: int, every_s: float, log: list, fail_after: int | None = None):

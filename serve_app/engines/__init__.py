@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from serve_app.engines.base import Engine
 
 if TYPE_CHECKING:
-    from serve_app.config import EngineConfig
+    from serve_app.engines.config import EngineConfig
 
 
 def make_engine(engine_config: EngineConfig) -> Engine:

@@ -239,7 +239,7 @@ def make_eagle_drafter(model, head_path: str | Path | None, model_name: str, max
     path = Path(head_path) if head_path else default_head_path(model_name)
     if not path.exists():
         raise FileNotFoundError(f"no draft head at {path}: train one with "
-                                "python -m serve_app.engines.embedded.train_draft_head")
+                                "python -m serve_app.tools.train_draft_head")
     head, _ = load_head(path, model.device, model.dtype)
     c, s = head.config, model.shape
     if (c.hidden_size, c.target_vocab_size) != (s.hidden_size, s.vocab_size) or max(c.feature_layers) >= s.num_layers:

@@ -1,1 +1,0 @@
-"""Benchmarks of specserve, run as ``python -m serve_app.bench <command>``."""

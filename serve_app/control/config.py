@@ -1,0 +1,123 @@
+"""The control plane's configuration: the load → num_steps ladder and how the controller and
+the replicas talk. No heavy imports: the simulator and the pure policy import it without an
+engine or Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from serve_app.strict import Strict
+
+
+class Tier(Strict):
+    """One rung of the ladder: loads per replica below ``below`` run ``num_steps`` draft steps."""
+
+    below: float | None = Field(
+        default=None, gt=0, description="Upper bound (exclusive) of load per replica; null on the last tier."
+    )
+    num_steps: int = Field(ge=0, le=64, description="Draft tokens per decode step in this tier; 0 = off.")
+
+
+def _default_tiers() -> list[Tier]:
+    return [Tier(below=4, num_steps=5), Tier(below=12, num_steps=3), Tier(num_steps=0)]
+
+
+class PolicyConfig(Strict):
+    """The load → num_steps ladder and what keeps it from flapping.
+
+    Load is the cluster queue (waiting + running over live replicas) divided by the number of
+    live replicas. The load is averaged over ``smoothing_s``; a tier is left only when the
+    averaged load is past the tier's boundary by ``margin`` for ``dwell_s`` without a break,
+    and never sooner than ``min_switch_interval_s`` after the previous switch.
+    """
+
+    tiers: list[Tier] = Field(default_factory=_default_tiers, min_length=1)
+    margin: float = Field(default=1.0, ge=0, description="Hysteresis, in load-per-replica units.")
+    dwell_s: float = Field(default=2.0, ge=0)
+    min_switch_interval_s: float = Field(default=5.0, ge=0)
+    smoothing_s: float = Field(default=1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_ladder(self) -> PolicyConfig:
+        *inner, last = self.tiers
+        if last.below is not None:
+            raise ValueError("tiers: the last tier must have no 'below' bound (it takes all higher loads)")
+        for i, tier in enumerate(inner):
+            if tier.below is None:
+                raise ValueError(f"tiers[{i}]: only the last tier may omit 'below'")
+            if i > 0 and tier.below <= inner[i - 1].below:
+                raise ValueError(f"tiers[{i}].below must be greater than tiers[{i - 1}].below")
+        steps = [t.num_steps for t in self.tiers]
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"tiers: each tier needs its own num_steps, got {steps}")
+        return self
+
+    @property
+    def bounds(self) -> list[float]:
+        """The tier boundaries, ascending (one fewer than tiers)."""
+        return [t.below for t in self.tiers[:-1]]  # type: ignore[misc]
+
+    @property
+    def history_s(self) -> float:
+        """How much load history ``decide`` looks at (callers may drop older samples)."""
+        return self.dwell_s + self.smoothing_s + 1.0
+
+    def tier_of(self, num_steps: int) -> int | None:
+        """The index of the tier that runs ``num_steps`` (the lowest-load one), or None."""
+        for i, tier in enumerate(self.tiers):
+            if tier.num_steps == num_steps:
+                return i
+        return None
+
+
+class GrafanaAnnotations(Strict):
+    """Optional HTTP annotations on each switch (the dashboards' Prometheus annotation query
+    needs none): posted asynchronously from a bounded queue, failures counted and logged."""
+
+    url: str = Field(min_length=1, description="Grafana base URL, e.g. http://grafana:3000")
+    token_env: str = Field(default="GRAFANA_TOKEN", min_length=1, description="Env var with a service account token.")
+    dashboard_uids: list[str] = Field(default_factory=lambda: ["specserve-overview"], min_length=1)
+    queue_size: int = Field(default=64, ge=1, description="Switches waiting to be posted; more are dropped.")
+    timeout_s: float = Field(default=2.0, gt=0)
+
+
+class ControllerOptions(Strict):
+    """How the controller and the replicas talk."""
+
+    report_interval_s: float = Field(default=0.25, gt=0, le=10)
+    decision_interval_s: float = Field(
+        default=0.25, gt=0, le=1, description="How often the controller samples the cluster queue and decides."
+    )
+    stale_after_s: float = Field(
+        default=1.0, gt=0, description="Reports older than this drop out of the cluster queue."
+    )
+    long_poll_timeout_s: float = Field(default=10.0, gt=0)
+    max_events: int = Field(default=200, ge=1)
+    grafana: GrafanaAnnotations | None = None
+
+    @model_validator(mode="after")
+    def _stale_after_reports(self) -> ControllerOptions:
+        if self.stale_after_s < 2 * self.report_interval_s:
+            raise ValueError("stale_after_s must be at least 2 × report_interval_s")
+        return self
+
+
+def load_policy_file(path: str) -> dict[str, Any]:
+    """The policy fields of a YAML policy file. A relative path is looked up in the working
+    directory, then in the project root (where `serve run configs/...` is meant to run)."""
+    import yaml
+
+    candidates = [Path(path)] if Path(path).is_absolute() else [Path.cwd() / path, _PROJECT_ROOT / path]
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is None:
+        raise ValueError(f"policy_file: {path} not found (looked in {', '.join(str(p.parent) for p in candidates)})")
+    data = yaml.safe_load(found.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"policy_file: {found} must hold a mapping of policy fields")
+    return data
+
+
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]

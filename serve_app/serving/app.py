@@ -1,0 +1,49 @@
+"""The application builder ``serve_app.serving.app:build_app`` that `serve run` calls with ``args``.
+
+    serve run configs/local.yaml
+
+builds two deployments: ``LLMReplica`` (one engine each, N replicas or autoscaled) and
+``OpenAIIngress`` (HTTP + handle API). The per-application controller actor is created by
+the first replica or ingress that starts (see :mod:`serve_app.control.actor`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from serve_app.serving.config import AppArgs
+from serve_app.serving.ingress import OpenAIIngress
+from serve_app.serving.replica import LLMReplica
+
+REPLICA_DEPLOYMENT = "LLMReplica"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+def build_app(args: AppArgs | dict[str, Any]) -> Application:
+    """Validate ``args`` (errors name the field) and bind the application."""
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
+    scaling: dict[str, Any] = (
+        {"autoscaling_config": args.autoscaling_config}
+        if args.autoscaling_config is not None
+        else {"num_replicas": args.num_replicas}
+    )
+    replica = LLMReplica.options(
+        name=REPLICA_DEPLOYMENT,
+        max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.limits.max_queued_requests,
+        ray_actor_options=args.replica_ray_actor_options,
+        **scaling,
+    ).bind(args.engine, args.policy, args.controller, args.limits, args.streaming)
+    # Constructor arguments exclude scaling, so that scaling does not restart replicas.
+    return OpenAIIngress.options(name=INGRESS_DEPLOYMENT).bind(
+        replica,
+        REPLICA_DEPLOYMENT,
+        args.policy,
+        args.controller,
+        args.admin_token_env,
+        args.served_model_name,
+        args.limits,
+    )

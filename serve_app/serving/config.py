@@ -1,0 +1,100 @@
+"""Typed configuration of a specserve application: what `serve run` passes as ``args``.
+
+Everything here is a pydantic model validated at the edge, so a bad YAML fails at
+``serve run`` with a message that names the field. The engine's and the control plane's
+sections are their own packages' models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from serve_app.control import ControllerOptions, PolicyConfig, load_policy_file
+from serve_app.engines.config import EngineConfig
+from serve_app.strict import Strict
+
+
+class Limits(Strict):
+    """What one request may ask for and how much may wait; past a limit the answer is a 4xx
+    (429/503 with Retry-After for load), never an unbounded queue or a timeout."""
+
+    max_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="Longest prompt in tokens; default: the engine's context only."
+    )
+    max_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="Cap on max_tokens: above it a 400; without max_tokens, the default is cut to it.",
+    )
+    max_request_bytes: int = Field(default=1 << 20, ge=1024, description="Larger request bodies get a 413.")
+    max_waiting_per_replica: int = Field(
+        default=256, ge=1, description="Requests waiting in one replica's engine before new ones get a 429."
+    )
+    max_queued_requests: int = Field(
+        default=1024, ge=1, description="Requests Serve's router holds for busy replicas (per ingress) before a 503."
+    )
+    admin_puts_per_s: float = Field(default=20.0, gt=0, description="PUT /v1/speculation rate (token bucket).")
+    admin_burst: int = Field(default=40, ge=1)
+    retries: int = Field(
+        default=2, ge=0, description="Re-dispatches of a request whose replica died before it streamed a token."
+    )
+
+
+class StreamOptions(Strict):
+    """How a replica paces its streams (the ``streaming`` section of the app's args)."""
+
+    chunks_per_s: float = Field(
+        default=200.0,
+        ge=0,
+        description="Chunks a replica sends per second over all its streams; 0: one chunk per engine delta.",
+    )
+    max_interval_s: float = Field(default=0.25, ge=0, le=5, description="Longest wait between two chunks of one stream.")
+
+
+class AppArgs(Strict):
+    """The ``args`` of ``serve_app.serving.app:build_app``."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    num_replicas: int = Field(default=1, ge=1, description="Ignored when autoscaling_config is set.")
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int = Field(
+        default=512, ge=1, description="Per replica; keep above the engine's queue so the engine, not Serve, queues."
+    )
+    replica_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    policy_file: str | None = Field(
+        default=None, description="A YAML policy file (`python -m serve_app.tools.calibrate` writes one); `policy` fields override it."
+    )
+    controller: ControllerOptions = Field(default_factory=ControllerOptions)
+    limits: Limits = Field(default_factory=Limits)
+    streaming: StreamOptions = Field(default_factory=StreamOptions)
+    admin_token_env: str = Field(default="SPECSERVE_ADMIN_TOKEN", min_length=1)
+    served_model_name: str | None = Field(default=None, description="Model name clients use; default: the engine's.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _include_policy_file(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("policy_file"):
+            return data
+        given = data.get("policy") or {}
+        if isinstance(given, BaseModel):
+            given = given.model_dump(exclude_unset=True)
+        return {**data, "policy": {**load_policy_file(data["policy_file"]), **given}}
+
+    @model_validator(mode="after")
+    def _ladder_fits_the_engine(self) -> AppArgs:
+        opts, backend = self.engine.options, self.engine.backend
+        limit = getattr(opts, "max_num_steps", None)
+        candidates = getattr(opts, "candidate_steps", None)  # SGLang captures graphs for these only
+        for i, tier in enumerate(self.policy.tiers):
+            if limit is not None and tier.num_steps > limit:
+                raise ValueError(
+                    f"policy.tiers[{i}].num_steps={tier.num_steps} exceeds engine.{backend}.max_num_steps={limit}"
+                )
+            if candidates is not None and tier.num_steps not in candidates:
+                raise ValueError(
+                    f"policy.tiers[{i}].num_steps={tier.num_steps} is not in engine.{backend}.candidate_steps={candidates}"
+                )
+        return self

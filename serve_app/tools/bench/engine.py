@@ -1,0 +1,340 @@
+"""``bench engine``: the embedded engine's throughput and latency per num_steps and concurrency.
+
+Closed-loop clients: at concurrency c, c clients each send the next prompt as soon as their
+previous request finishes, all against one engine that is started once and switched
+between points with ``set_num_steps``. Generation is greedy and stops at the model's end of
+turn (or ``max_tokens``); greedy output does not depend on num_steps, so every point of a
+prompt set produces the same tokens. ``--ignore-eos`` makes every request run to max_tokens. Points at one concurrency run back to back
+for every num_steps, so the ratios between them see the same machine load.
+
+The same run times Hugging Face transformers on the same weights and rendered prompts
+(``hf_baseline``). Each pair is measured interleaved, chunk by chunk (one prompt at batch 1,
+16 prompts at batch 16): the engine's chunk, then transformers' same chunk, so noise from
+other work on the machine lands on both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import re
+import sys
+import time
+from datetime import UTC, datetime
+
+from tqdm import tqdm
+
+from serve_app.engines.base import GenerateRequest, SamplingParams
+from serve_app.engines.embedded.weights import DEFAULT_MODEL, TINY_MODEL
+
+from .prompts import PROMPT_SETS, chat_messages
+from .stats import RequestTiming, acceptance, crossover, summarize
+
+HELP = "throughput and latency of the embedded engine per num_steps and concurrency"
+HF_BATCH = 16  # the static batch of the batched transformers baseline
+HF_PLD_TOKENS = 5  # prompt_lookup_num_tokens of the transformers lookup baseline
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def _prompt_sets(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PROMPT_SETS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"prompt sets are {', '.join(PROMPT_SETS)}; got {text!r}")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"engine model (default {DEFAULT_MODEL})")
+    p.add_argument("--prompt-set", type=_prompt_sets, default=list(PROMPT_SETS),
+                   help="comma list of prompt sets: copy, chat (default both)")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32], help="comma list")
+    p.add_argument("--num-steps", type=_int_list, default=[0, 3, 5], help="comma list of speculation depths")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (exact)")
+    p.add_argument("--requests-per-point", type=int, default=None,
+                   help="requests per point (default max(2 x concurrency, 8))")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per num_steps before the grid")
+    p.add_argument("--drafter", choices=["ngram", "eagle"], default="ngram", help="the engine's drafter (default ngram)")
+    p.add_argument("--draft-head", default=None, help="with --drafter eagle: a head's .safetensors (default: the shipped one)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads for engine and HF (default torch's)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baseline")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly max_tokens per request (the model's continuation past its end of turn)")
+    p.add_argument("--hf-max-tokens", type=int, default=None, help="output tokens in the HF pairs (default --max-tokens)")
+    p.add_argument("--hf-prompts", type=int, default=8, help="prompts of the batch-1 HF pairs")
+    p.add_argument("--out", default=None, help="write the results as JSON to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    global IGNORE_EOS
+    IGNORE_EOS = args.ignore_eos
+    if args.max_tokens < 1 or (args.hf_max_tokens is not None and args.hf_max_tokens < 1):
+        sys.exit("max tokens must be positive")
+    if args.requests_per_point is not None and args.requests_per_point < max(args.concurrency):
+        sys.exit("--requests-per-point must be at least the largest concurrency")
+    if 0 in args.concurrency:
+        sys.exit("concurrency must be positive")
+    result = asyncio.run(benchmark(args))
+    print(format_report(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+# -- one point --------------------------------------------------------------------------
+_request_ids = itertools.count()
+
+
+IGNORE_EOS = False  # set from --ignore-eos for the whole run
+
+
+async def timed_request(engine, prompt: str, max_tokens: int) -> RequestTiming:
+    """Send one greedy request and time its token deltas from submission."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=IGNORE_EOS)
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async for delta in engine.generate(GenerateRequest(f"bench-{next(_request_ids)}", prompt=prompt, params=params)):
+        if delta.token_ids:
+            last = time.perf_counter() - t0
+            first = last if first is None else first
+            tokens += len(delta.token_ids)
+    return RequestTiming(tokens, first if first is not None else float("nan"), last if last is not None else float("nan"))
+
+
+async def run_point(engine, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int,
+                    progress: tqdm | None = None) -> dict:
+    """Closed loop: ``concurrency`` clients share requests 0..n-1 (prompt i mod len)."""
+    todo = iter(range(num_requests))
+    timings: list[RequestTiming] = []
+
+    async def client() -> None:
+        for i in todo:  # shared: a client takes the next request when its last one ends
+            timings.append(await timed_request(engine, prompts[i % len(prompts)], max_tokens))
+            if progress is not None:
+                progress.update(1)
+
+    before = dict(engine.core.totals)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    # The final delta is emitted before its step adds to the draft counters; the step is
+    # done once the scheduler has dropped its finished sequences.
+    while engine.core.has_work():
+        await asyncio.sleep(0.001)
+    return summarize(timings, wall) | acceptance(before, dict(engine.core.totals))
+
+
+# -- the transformers baseline ----------------------------------------------------------
+def load_hf_model(model: str):
+    """The engine's weights as a transformers model (float32, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from serve_app.engines.embedded.weights import load_model, resolve_model_dir
+
+    if model != TINY_MODEL:
+        return AutoModelForCausalLM.from_pretrained(resolve_model_dir(model), dtype=torch.float32).eval()
+    # tiny-random has no checkpoint: put the very weights the engine builds into transformers' Llama.
+    loaded = load_model(TINY_MODEL)
+    s = loaded.shape
+    cfg = LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                      num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
+                      num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, rms_norm_eps=s.rms_norm_eps,
+                      rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+                      max_position_embeddings=s.max_position_embeddings, tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg)
+    hf.load_state_dict(loaded.state_dict, strict=True)
+    return hf.to(torch.float32).eval()
+
+
+class HFBaseline:
+    """Greedy ``generate()``, timed; stops where the engine stops (end of turn or max_tokens)."""
+
+    def __init__(self, model: str, tokenizer):
+        self.model = load_hf_model(model)
+        self.tokenizer = tokenizer
+        self.eos_ids = {tokenizer.eos_token_id}
+        self.generate([PROMPT_SETS["chat"][0]], 4)  # warm up; first calls pay one-off costs
+
+    def generate(self, prompts: list[str], max_tokens: int, prompt_lookup: int | None = None) -> tuple[int, float]:
+        """(new tokens, seconds) for one left-padded batch of rendered prompts."""
+        import torch
+
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+        if IGNORE_EOS:
+            kwargs["min_new_tokens"] = max_tokens
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(**enc, do_sample=False, max_new_tokens=max_tokens,
+                                      pad_token_id=self.tokenizer.pad_token_id, **kwargs)
+        seconds = time.perf_counter() - t0
+        new = out[:, enc.input_ids.shape[1]:]
+        if IGNORE_EOS:
+            assert new.shape[1] == max_tokens, "transformers stopped early: the pair would be unfair"
+            return new.numel(), seconds
+        # Count each row up to and including its end of turn, as the engine counts.
+        eos = torch.tensor(sorted(self.eos_ids))
+        tokens = 0
+        for row in new:
+            hits = torch.isin(row, eos).nonzero()
+            tokens += int(hits[0]) + 1 if len(hits) else len(row)
+        return tokens, seconds
+
+
+async def measure_pair(engine, hf: HFBaseline, prompts: list[str], batch: int, num_steps: int, max_tokens: int,
+                       prompt_lookup: int | None, progress: tqdm) -> tuple[float, float]:
+    """(engine tokens/s, HF tokens/s) over the same prompts, interleaved chunk by chunk."""
+    await engine.set_num_steps(num_steps)
+    engine_tokens = engine_s = hf_tokens = hf_s = 0.0
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        point = await run_point(engine, chunk, len(chunk), len(chunk), max_tokens)
+        engine_tokens, engine_s = engine_tokens + point["output_tokens"], engine_s + point["wall_s"]
+        tokens, seconds = hf.generate(chunk, max_tokens, prompt_lookup)
+        hf_tokens, hf_s = hf_tokens + tokens, hf_s + seconds
+        progress.update(2 * len(chunk))
+    return round(engine_tokens / engine_s, 3), round(hf_tokens / hf_s, 3)
+
+
+async def hf_pairs(engine, rendered: dict[str, list[str]], args, progress: tqdm) -> dict:
+    hf = HFBaseline(args.model, engine.tokenizer)
+    n, max_tokens = args.hf_prompts, args.hf_max_tokens or args.max_tokens
+    common = {"max_tokens": max_tokens}
+    engine_tps, hf_tps = await measure_pair(engine, hf, rendered["chat"][:n], 1, 0, max_tokens, None, progress)
+    plain = common | {"prompt_set": "chat", "num_prompts": n, "batch": 1, "num_steps": 0,
+                      "hf_tokens_per_s": hf_tps, "engine_tokens_per_s": engine_tps}
+    engine_tps, hf_tps = await measure_pair(engine, hf, rendered["copy"][:n], 1, 5, max_tokens, HF_PLD_TOKENS, progress)
+    pld = common | {"prompt_set": "copy", "num_prompts": n, "batch": 1, "num_steps": 5,
+                    "prompt_lookup_num_tokens": HF_PLD_TOKENS,
+                    "hf_pld_tokens_per_s": hf_tps, "engine_spec_tokens_per_s": engine_tps}
+    engine_tps, hf_tps = await measure_pair(engine, hf, rendered["chat"][:HF_BATCH], HF_BATCH, 0, max_tokens, None,
+                                            progress)
+    batched = common | {"prompt_set": "chat", "num_prompts": HF_BATCH, "batch": HF_BATCH, "num_steps": 0,
+                        "hf_batch16_tokens_per_s": hf_tps, "engine_c16_tokens_per_s": engine_tps}
+    return {"plain_batch1": plain, "pld_batch1": pld, "batch16": batched}
+
+
+# -- the run ----------------------------------------------------------------------------
+def _requests(args, concurrency: int) -> int:
+    return args.requests_per_point or max(2 * concurrency, 8)
+
+
+async def benchmark(args) -> dict:
+    """Run the grid (and the HF pairs) and return the JSON-ready result."""
+    import torch
+
+    from serve_app.engines.embedded import EmbeddedEngine, EmbeddedOptions
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    threads = torch.get_num_threads()  # engine and HF share this process's thread pool
+    engine = EmbeddedEngine(EmbeddedOptions(model=args.model, num_threads=threads, drafter=args.drafter, draft_head=args.draft_head,
+                                            max_num_seqs=max(32, HF_BATCH, *args.concurrency),
+                                            max_num_steps=max(8, *args.num_steps)))
+    await engine.start()
+    # Every set the pairs need is rendered even when the grid skips it.
+    rendered = {name: [engine.apply_chat_template(chat_messages(p)) for p in prompts]
+                for name, prompts in PROMPT_SETS.items()}
+    grid_requests = sum(_requests(args, c) for c in args.concurrency) * len(args.num_steps) * len(args.prompt_set)
+    hf_requests = 0 if args.no_hf else 2 * (2 * args.hf_prompts + HF_BATCH)
+    rows: list[dict] = []
+    try:
+        with tqdm(total=grid_requests + hf_requests, desc="bench engine", unit="req", file=sys.stderr) as progress:
+            for k in args.num_steps:
+                await engine.set_num_steps(k)
+                await run_point(engine, rendered[args.prompt_set[0]], args.warmup, args.warmup, min(16, args.max_tokens))
+            for prompt_set in args.prompt_set:
+                for c in args.concurrency:
+                    for k in args.num_steps:  # innermost: the ratios between num_steps are side by side
+                        progress.set_postfix_str(f"{prompt_set} c={c} k={k}")
+                        await engine.set_num_steps(k)
+                        point = await run_point(engine, rendered[prompt_set], c, _requests(args, c),
+                                                args.max_tokens, progress)
+                        rows.append({"prompt_set": prompt_set, "num_steps": k, "concurrency": c} | point)
+            baseline = None
+            if not args.no_hf:
+                progress.set_postfix_str("hf baseline")
+                baseline = await hf_pairs(engine, rendered, args, progress)
+    finally:
+        await engine.shutdown()
+    return {"meta": _meta(args, threads), "rows": rows, "hf_baseline": baseline, "crossover": crossover(rows)}
+
+
+def _meta(args, threads: int) -> dict:
+    import torch
+
+    return {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "torch_version": torch.__version__,
+        "threads": threads,
+        "model": args.model,
+        "drafter": args.drafter,
+        "draft_head": args.draft_head,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "hf_max_tokens": None if args.no_hf else (args.hf_max_tokens or args.max_tokens),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m serve_app.tools.bench", *sys.argv[1:]]),
+    }
+
+
+# -- printing ---------------------------------------------------------------------------
+def _f(value, spec: str) -> str:
+    width = int(re.match(r"\d*", spec).group() or 0)
+    return "-".rjust(width) if value is None else format(value, spec)
+
+
+def format_report(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"model {m['model']}, max_tokens {m['max_tokens']}, {m['threads']} torch threads, torch {m['torch_version']}"]
+    header = (f"{'steps':>5} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'vs k=0':>6} {'ttft p50':>9} {'ttft p99':>9} "
+              f"{'tpot p50':>9} {'tpot p99':>9} {'accept':>6} {'acc len':>7}")
+    for prompt_set in dict.fromkeys(r["prompt_set"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["prompt_set"] == prompt_set]
+        plain = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["num_steps"] == 0}
+        lines += ["", f"[{prompt_set}]  latencies in ms; 'vs k=0' = tokens/s over num_steps 0 at the same concurrency",
+                  header]
+        for r in sorted(rows, key=lambda r: (r["num_steps"], r["concurrency"])):
+            base = plain.get(r["concurrency"])
+            ratio = r["output_tokens_per_s"] / base if base else None
+            lines.append(f"{r['num_steps']:>5} {r['concurrency']:>4} {r['num_requests']:>4} "
+                         f"{_f(r['output_tokens_per_s'], '8.1f')} {_f(ratio, '6.2f')} "
+                         f"{_f(r['ttft_p50_ms'], '9.1f')} {_f(r['ttft_p99_ms'], '9.1f')} "
+                         f"{_f(r['tpot_p50_ms'], '9.1f')} {_f(r['tpot_p99_ms'], '9.1f')} "
+                         f"{_f(r['accept_rate'], '6.2f')} {_f(r['mean_accepted_len'], '7.2f')}")
+        cross = result["crossover"].get(prompt_set)
+        if cross:
+            by_k = ", ".join(f"num_steps {k}: {_f(c, 'd') if c else 'none'}" for k, c in cross["by_num_steps"].items())
+            best = cross["best"] if cross["best"] is not None else "none (speculation won everywhere)"
+            lines.append(f"crossover (lowest concurrency where speculation no longer wins): {by_k}; best: {best}")
+    hf = result["hf_baseline"]
+    if hf:
+        lines += ["", f"[hf_baseline]  same weights and prompts, {m['hf_max_tokens']} tokens, interleaved",
+                  f"{'pair':<48} {'hf tok/s':>9} {'engine tok/s':>12} {'engine/hf':>9}"]
+        pairs = [("generate(), batch 1, chat  vs  k=0 c=1", hf["plain_batch1"], "hf_tokens_per_s", "engine_tokens_per_s"),
+                 ("generate(pld=5), batch 1, copy  vs  k=5 c=1", hf["pld_batch1"], "hf_pld_tokens_per_s",
+                  "engine_spec_tokens_per_s"),
+                 ("generate(), static batch 16, chat  vs  k=0 c=16", hf["batch16"], "hf_batch16_tokens_per_s",
+                  "engine_c16_tokens_per_s")]
+        for name, pair, hf_key, engine_key in pairs:
+            lines.append(f"{name:<48} {pair[hf_key]:>9.1f} {pair[engine_key]:>12.1f} "
+                         f"{pair[engine_key] / pair[hf_key]:>9.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,413 @@
+"""``bench faults``: fault injection under load, against a live specserve application.
+
+Closed-loop clients send greedy requests (half streaming, half one-shot) over a fixed prompt
+set and check every answer against a reference computed before the faults, while:
+
+- ``replica_kill``: a replica actor is killed (``ray.kill``). Requests that had not streamed a
+  token are re-dispatched by the ingress (``retried``); streams cut mid-way must end with an
+  error event and ``[DONE]`` (``cut``), never hang; the replacement must run the current mode.
+- ``controller_kill``: the controller is killed ``--kills`` times, each after a forced switch.
+  No request may fail, the mode must converge, and no switch event may be missing.
+- ``switch_storm``: a forced switch every ``--storm-period-s`` for ``--storm-s``: zero
+  failures, every output identical to the reference.
+- ``soak`` (``--soak``): ``--soak-s`` at moderate concurrency in auto mode: zero errors,
+  replica RSS at start and end.
+
+Each scenario reports requests sent, completed, failed (client-visible), retried, cut.
+The run starts its own Ray and Serve (HTTP on a free local port) unless ``--address``.
+The tests call the same scenario functions with shorter settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+import httpx
+
+HELP = "fault injection under load: replica and controller kills, switch storm, soak"
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away,",
+    "def fibonacci(n):",
+    "1, 2, 3, 4, 5,",
+    "The capital of France is",
+    "Repeat after me: red green blue red green blue",
+]
+
+
+@dataclass
+class Tally:
+    """What the clients saw. ``failed`` counts client-visible failures (anything but a 200 with
+    the reference output, or a cut stream ended cleanly); ``retried`` counts answers the
+    ingress re-dispatched after losing a replica (header ``x-specserve-attempts`` > 1)."""
+
+    sent: int = 0
+    completed: int = 0
+    failed: int = 0
+    retried: int = 0
+    cut: int = 0
+    mismatched: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def fail(self, why: str) -> None:
+        self.failed += 1
+        if len(self.errors) < 20:
+            self.errors.append(why)
+
+
+class Load:
+    """``clients`` closed-loop clients in a background event loop, until :meth:`stop`."""
+
+    def __init__(self, prefix: str, clients: int, max_tokens: int, reference: dict[str, str], timeout_s: float = 60):
+        self.prefix, self.clients, self.max_tokens, self.reference = prefix, clients, max_tokens, reference
+        self.timeout_s, self.tally, self._running = timeout_s, Tally(), True
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        self._futures = [asyncio.run_coroutine_threadsafe(self._client(i), self._loop) for i in range(self.clients)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> Tally:
+        self._running = False
+        for f in self._futures:
+            f.result(timeout=self.timeout_s + 30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        return self.tally
+
+    async def _client(self, i: int) -> None:
+        async with httpx.AsyncClient(base_url=self.prefix, timeout=self.timeout_s) as http:
+            k = i
+            while self._running:
+                prompt, stream = PROMPTS[k % len(PROMPTS)], k % 2 == 1
+                k += 1
+                self.tally.sent += 1
+                try:
+                    await self._one(http, prompt, stream)
+                except Exception as e:  # a timeout here is a hang
+                    self.tally.fail(f"{type(e).__name__}: {e}")
+
+    async def _one(self, http: httpx.AsyncClient, prompt: str, stream: bool) -> None:
+        body = {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True}
+        t = self.tally
+        if not stream:
+            r = await http.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                return t.fail(f"{r.status_code}: {r.text[:200]}")
+            text = r.json()["choices"][0]["text"]
+        else:
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                lines = [line async for line in r.aiter_lines() if line]
+            if r.status_code != 200:
+                return t.fail(f"{r.status_code}: {lines[:1]}")
+            if lines[-1:] != ["data: [DONE]"]:
+                return t.fail(f"stream without [DONE]: {lines[-1:]}")
+            chunks = [json.loads(line[6:]) for line in lines[:-1]]
+            errors = [c["error"] for c in chunks if "error" in c]
+            if errors:  # a cut stream: fine only if a replica died under it, and said so
+                if "replica serving it failed" in errors[0]["message"]:
+                    t.cut += 1
+                    return
+                return t.fail(f"stream error: {errors[0]}")
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        if int(r.headers.get("x-specserve-attempts", "1")) > 1:
+            t.retried += 1
+        if self.reference.get(prompt, text) != text:
+            t.mismatched += 1
+            return t.fail(f"output differs from the reference for {prompt!r}")
+        t.completed += 1
+
+
+# -- the application under test ----------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """A deployed application: where it answers and how to steer it."""
+
+    app_name: str
+    prefix: str
+    admin_token: str
+    http: httpx.Client = field(init=False)
+
+    def __post_init__(self):
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        self.http = httpx.Client(base_url=self.prefix, headers=headers, timeout=60)
+
+    def status(self) -> dict:
+        r = self.http.get("/v1/speculation")
+        r.raise_for_status()
+        return r.json()
+
+    def force(self, body: dict) -> httpx.Response:
+        return self.http.put("/v1/speculation", json=body)
+
+    def wait_converged(self, num_steps: int, replicas: int, timeout_s: float = 120) -> float:
+        """Seconds until every one of ``replicas`` live replicas runs ``num_steps`` at the cluster version."""
+        start = time.monotonic()
+        while True:
+            s = self.status()
+            reps = s["replicas"]
+            if (
+                s["num_steps"] == num_steps
+                and len(reps) == replicas
+                and all(r["num_steps"] == num_steps and r["applied_version"] == s["version"] for r in reps)
+            ):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"not converged to {num_steps} on {replicas} replicas: {s['replicas']}")
+            time.sleep(0.1)
+
+    def reference(self, max_tokens: int, replicas: int) -> dict[str, str]:
+        """Greedy outputs of every prompt with plain decoding, one at a time, before any fault.
+        Leaves the cluster fixed at num_steps 0."""
+        self.force({"mode": "fixed", "num_steps": 0}).raise_for_status()
+        self.wait_converged(0, replicas)
+        out = {}
+        for p in PROMPTS:
+            body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            r = self.http.post("/v1/completions", json=body)
+            r.raise_for_status()
+            out[p] = r.json()["choices"][0]["text"]
+        return out
+
+    def replica_actor_names(self) -> list[str]:
+        import ray
+
+        prefix = f"SERVE_REPLICA::{self.app_name}#LLMReplica#"
+        return sorted(
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)
+        )
+
+    def replica_infos(self) -> list[dict]:
+        from ray import serve
+
+        return serve.get_deployment_handle("LLMReplica", self.app_name).broadcast("info").results(timeout_s=60)
+
+
+def _result(name: str, tally: Tally, started: float, **extra) -> dict:
+    return {"scenario": name, "duration_s": round(time.monotonic() - started, 1), **asdict(tally), **extra}
+
+
+# -- scenarios -----------------------------------------------------------------------------------
+
+
+def replica_kill(
+    t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, kills: int = 1, mode: int = 2
+) -> dict:
+    """Kill the busiest replica under load (``kills`` times, one at a time); it must come back in ``mode``."""
+    import ray
+
+    started = time.monotonic()
+    ref = t.reference(max_tokens, replicas)
+    t.force({"mode": "fixed", "num_steps": mode}).raise_for_status()
+    t.wait_converged(mode, replicas)
+    recovery = []
+    with Load(t.prefix, clients, max_tokens, ref) as load:
+        for _ in range(kills):
+            time.sleep(2.0)
+            busiest = max(t.replica_infos(), key=lambda info: info["load"]["running"] + info["load"]["waiting"])
+            victim = next(n for n in t.replica_actor_names() if n.endswith(f"#{busiest['replica_id']}"))
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            killed_at = time.monotonic()
+            time.sleep(1.0)
+            while victim in t.replica_actor_names():
+                time.sleep(0.2)
+            t.wait_converged(mode, replicas, timeout_s=180)
+            recovery.append(round(time.monotonic() - killed_at, 1))
+        time.sleep(1.0)
+    t.force({"mode": "auto"}).raise_for_status()
+    return _result("replica_kill", load.tally, started, kills=kills, mode=mode, recovery_s=recovery)
+
+
+def controller_kill(t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, kills: int = 5) -> dict:
+    """Force a switch, then kill the controller, ``kills`` times under load."""
+    import ray
+
+    from serve_app.control.actor import NAMESPACE, controller_name
+
+    started = time.monotonic()
+    ref = t.reference(max_tokens, replicas)
+    v0 = t.status()["version"]
+    ladder = [4, 0, 2, 1, 3]
+    with Load(t.prefix, clients, max_tokens, ref) as load:
+        for i in range(kills):
+            t.force({"mode": "fixed", "num_steps": ladder[i % len(ladder)]}).raise_for_status()
+            time.sleep(0.3)
+            ray.kill(ray.get_actor(controller_name(t.app_name), namespace=NAMESPACE), no_restart=False)
+            time.sleep(1.0)
+        final = ladder[kills % len(ladder)]
+        t.force({"mode": "fixed", "num_steps": final}).raise_for_status()
+        converge_s = t.wait_converged(final, replicas)
+        time.sleep(1.0)
+    s = t.status()
+    versions = {e["version"] for e in s["events"]}
+    lost = sorted(set(range(v0 + 1, s["version"] + 1)) - versions)
+    t.force({"mode": "auto"}).raise_for_status()
+    return _result(
+        "controller_kill",
+        load.tally,
+        started,
+        kills=kills,
+        switches=s["version"] - v0,
+        events_lost=len(lost),
+        converged_to=final,
+        converge_s=round(converge_s, 2),
+    )
+
+
+def switch_storm(
+    t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, duration_s: float = 60, period_s: float = 0.1
+) -> dict:
+    """A forced switch every ``period_s`` for ``duration_s`` under load; outputs must equal the reference."""
+    started = time.monotonic()
+    ref = t.reference(max_tokens, replicas)
+    ladder, forced, refused = [4, 0, 3, 1, 2], 0, 0
+    with Load(t.prefix, clients, max_tokens, ref) as load:
+        end = time.monotonic() + duration_s
+        while time.monotonic() < end:
+            tick = time.monotonic()
+            r = t.force({"mode": "fixed", "num_steps": ladder[forced % len(ladder)]})
+            forced += r.status_code == 200
+            refused += r.status_code != 200
+            time.sleep(max(0.0, period_s - (time.monotonic() - tick)))
+        last = ladder[(forced - 1) % len(ladder)]
+        t.wait_converged(last, replicas)
+    t.force({"mode": "auto"}).raise_for_status()
+    return _result(
+        "switch_storm",
+        load.tally,
+        started,
+        switches=forced,
+        switches_refused=refused,
+        period_s=period_s,
+        storm_s=duration_s,
+    )
+
+
+def soak(t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, duration_s: float = 600) -> dict:
+    """Moderate load for ``duration_s`` in auto mode; replica RSS at start and end."""
+    started = time.monotonic()
+    ref = t.reference(max_tokens, replicas)
+    t.force({"mode": "auto"}).raise_for_status()
+    rss = lambda: {i["replica_id"]: i["rss_bytes"] for i in t.replica_infos()}  # noqa: E731
+    with Load(t.prefix, clients, max_tokens, ref) as load:
+        time.sleep(min(10.0, duration_s / 10))  # warm: caches and allocator pools filled
+        start_rss = rss()
+        time.sleep(duration_s)
+        end_rss = rss()
+    mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+    per_replica = {k: {"start_mib": mib(v), "end_mib": mib(end_rss.get(k, 0))} for k, v in start_rss.items()}
+    return _result("soak", load.tally, started, soak_s=duration_s, clients=clients, rss=per_replica)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-random", help="embedded engine model (default tiny-random)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--clients", type=int, default=4, help="concurrent clients during the faults")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--kills", type=int, default=5, help="controller kills (replica kills: --replica-kills)")
+    p.add_argument("--replica-kills", type=int, default=2)
+    p.add_argument("--storm-s", type=float, default=60.0)
+    p.add_argument("--storm-period-s", type=float, default=0.1)
+    p.add_argument("--soak", action="store_true", help="also run the soak (not in CI)")
+    p.add_argument("--soak-s", type=float, default=600.0)
+    p.add_argument("--soak-clients", type=int, default=4)
+    p.add_argument(
+        "--scenarios",
+        default="replica_kill,controller_kill,switch_storm",
+        help="comma-separated subset of replica_kill,controller_kill,switch_storm",
+    )
+    p.add_argument("--out", default="faults.json", help="where to write the JSON results")
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from serve_app.control.actor import delete_controller
+    from serve_app.serving.app import build_app
+
+    token_env = "SPECSERVE_FAULTS_ADMIN_TOKEN"
+    os.environ[token_env] = token = secrets.token_urlsafe(24)  # before Ray starts: workers inherit it
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        include_dashboard=False, log_to_driver=False, namespace="specserve-faults", object_store_memory=500 * 2**20
+    )
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    name = "faults"
+    engine = {"embedded": {"model": args.model, "device": "cpu", "num_threads": 1, "max_num_seqs": 16}}
+    app_args = {
+        "engine": engine,
+        "num_replicas": args.replicas,
+        "replica_ray_actor_options": {"num_cpus": 0},
+        "admin_token_env": token_env,
+    }
+    results = []
+    try:
+        delete_controller(name)
+        serve.run(build_app(app_args), name=name, route_prefix=f"/{name}")
+        t = Target(name, f"http://127.0.0.1:{port}/{name}", token)
+        common = {"clients": args.clients, "max_tokens": args.max_tokens}
+        scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+        for s in scenarios:
+            if s == "replica_kill":
+                results.append(replica_kill(t, args.replicas, kills=args.replica_kills, **common))
+            elif s == "controller_kill":
+                results.append(controller_kill(t, args.replicas, kills=args.kills, **common))
+            elif s == "switch_storm":
+                results.append(
+                    switch_storm(t, args.replicas, duration_s=args.storm_s, period_s=args.storm_period_s, **common)
+                )
+            else:
+                raise SystemExit(f"unknown scenario {s!r}")
+            print(format_row(results[-1]), flush=True)
+        if args.soak:
+            results.append(
+                soak(t, args.replicas, clients=args.soak_clients, max_tokens=args.max_tokens, duration_s=args.soak_s)
+            )
+            print(format_row(results[-1]), flush=True)
+    finally:
+        serve.delete(name)
+        delete_controller(name)
+        serve.shutdown()
+        ray.shutdown()
+    used = {k: v for k, v in vars(args).items() if k != "run"}
+    report = {"when": datetime.now(UTC).isoformat(timespec="seconds"), "args": used, "results": results}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def format_row(r: dict) -> str:
+    keys = ("sent", "completed", "failed", "retried", "cut")
+    extra = {k: v for k, v in r.items() if k not in (*keys, "scenario", "errors", "mismatched")}
+    counts = " ".join(f"{k}={r[k]}" for k in keys)
+    errors = f"\n  first errors: {r['errors'][:3]}" if r["errors"] else ""
+    return f"{r['scenario']:<16} {counts}  {json.dumps(extra)}{errors}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

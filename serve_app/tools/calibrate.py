@@ -1,0 +1,190 @@
+"""``python -m serve_app.tools.calibrate``: measure where plain decoding overtakes each speculative
+tier on this hardware and model, and write the ladder as a policy file configs include.
+
+    python -m serve_app.tools.calibrate --config configs/local.yaml --out configs/policies/local.yaml
+
+It sweeps the deployed application (the same stack and replica count that will serve, so
+the loads are the controller's own unit: waiting + running per replica): for each load per
+replica L and each num_steps k (the config's ladder, 0 included), ``bench serve``'s closed
+loop runs L x replicas clients with k pinned through the operator API. Points at one load
+run back to back for every k, so their ratios see the same machine conditions; with
+``--repeats N`` each k runs N windows at a load in mirrored order (k=3, k=0, k=0, k=3, ...),
+pooled as ``bench serve`` pools them, so a drift over a load weighs on every k alike. With
+``--stagger-s S`` each window's clients start spread over S seconds, as ``bench serve
+--stagger-s`` does.
+
+From the tokens/s table it builds the ladder: walking up the loads, a tier ends where a
+tier with fewer steps starts to win; the boundary is the crossover, interpolated linearly
+between the two loads around it. A speculative tier that never wins is left out. The policy
+file keeps the config's hysteresis (margin, dwell, intervals) and replaces the tiers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+
+from serve_app.control.config import PolicyConfig
+from serve_app.tools.bench.client import Poller, Target, add_target_arguments, prompt_messages, run_against_target
+from serve_app.tools.bench.serve import measure_window, point_row, window_order
+
+
+def _floats(text: str) -> list[float]:
+    values = sorted({float(v) for v in text.split(",") if v.strip()})
+    if not values or values[0] <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _ints(text: str) -> list[int]:
+    return sorted({int(v) for v in text.split(",") if v.strip()}, reverse=True)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serve_app.tools.calibrate", description=__doc__.splitlines()[0],
+                                epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_arguments(p)
+    p.add_argument("--loads", type=_floats, default=[1, 2, 3, 4, 6, 8, 12, 16],
+                   help="loads per replica to measure (clients = load x replicas)")
+    p.add_argument("--num-steps", type=_ints, default=None,
+                   help="num_steps to measure (default: the config's ladder); 0 is always added")
+    p.add_argument("--settle-s", type=float, default=5.0,
+                   help="unmeasured seconds per point, and at least until every client finished a request")
+    p.add_argument("--measure-s", type=float, default=20.0, help="measured seconds per window")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="windows per num_steps and load, in mirrored order, pooled (default 1)")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="client j sends its first request j x S / clients seconds after a window starts, as "
+                        "bench serve --stagger-s (default 0: together; requests of one length then stay in step "
+                        "under plain decoding, which flatters it against traffic that arrives spread out)")
+    p.add_argument("--out", default="configs/policies/local.yaml", help="the policy file to write")
+    p.add_argument("--results", default=None, help="also write the measurements as JSON here")
+    return p
+
+
+# -- from measurements to a ladder (pure) ------------------------------------------------
+def crossover(a: dict[float, float], b: dict[float, float], lo: float, hi: float) -> float:
+    """The load in [lo, hi] where ``b`` overtakes ``a`` (tokens/s by load), linearly interpolated."""
+    d_lo, d_hi = b[lo] - a[lo], b[hi] - a[hi]
+    if d_lo >= 0 or d_hi <= d_lo:
+        return lo
+    return lo + (hi - lo) * min(1.0, -d_lo / (d_hi - d_lo))
+
+
+def derive_tiers(tps: dict[int, dict[float, float]]) -> list[dict]:
+    """The ladder from tokens/s by num_steps and load per replica (see the module docstring).
+
+    Ties go to fewer steps. If speculation wins at every load measured, plain decoding takes
+    over past the largest load measured (measure further to place it)."""
+    loads = sorted(set.intersection(*(set(v) for v in tps.values())))
+    winners = [max(sorted(tps), key=lambda k: (tps[k][load], -k)) for load in loads]
+    ladder, bounds = [winners[0]], []
+    for prev, load, w in zip(loads, loads[1:], winners[1:], strict=False):
+        if w < ladder[-1]:  # only ever fewer steps as the load rises
+            bounds.append(crossover(tps[ladder[-1]], tps[w], prev, load))
+            ladder.append(w)
+    if ladder[-1] != 0:
+        bounds.append(loads[-1])
+        ladder.append(0)
+    rounded: list[float] = []
+    for b in bounds:  # one decimal, strictly rising, positive
+        rounded.append(round(max(b, rounded[-1] + 0.1 if rounded else 0.1), 1))
+    return [{"below": b, "num_steps": k} for k, b in zip(ladder[:-1], rounded, strict=True)] + [{"num_steps": 0}]
+
+
+def plain_crossovers(tps: dict[int, dict[float, float]]) -> dict[str, float | None]:
+    """Per speculative num_steps: the load where plain decoding overtakes it (None: it never does)."""
+    out: dict[str, float | None] = {}
+    loads = sorted(tps[0])
+    for k in sorted(k for k in tps if k > 0):
+        out[str(k)] = None
+        for i, load in enumerate(loads):
+            if tps[0][load] >= tps[k][load]:
+                out[str(k)] = load if i == 0 else round(crossover(tps[k], tps[0], loads[i - 1], load), 2)
+                break
+    return out
+
+
+def write_policy_file(path: str, policy: PolicyConfig, header: str) -> None:
+    text = yaml.safe_dump(policy.model_dump(), sort_keys=False, default_flow_style=None)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + text)
+
+
+# -- the sweep ---------------------------------------------------------------------------
+async def measure(target: Target, args: argparse.Namespace) -> dict:
+    status = await target.status()
+    replicas = len(status["replicas"])
+    policy = PolicyConfig.model_validate(status["policy"])
+    steps = sorted({*(args.num_steps or [t.num_steps for t in policy.tiers]), 0}, reverse=True)
+    prompts = prompt_messages(args.prompt_set.split(","))
+    rows = []
+    order = window_order(steps, args.repeats)
+    async with Poller(target) as poller:
+        with tqdm(total=len(args.loads) * len(order), desc="calibrate", unit="window", file=sys.stderr) as bar:
+            for load in args.loads:
+                clients = max(1, round(load * replicas))
+                windows: dict[int, list] = {k: [] for k in steps}
+                for k in order:
+                    bar.set_postfix_str(f"load {load:g} k={k}")
+                    await target.apply_policy("spec" if k else "off", k)
+                    windows[k].append(await measure_window(target, poller, prompts, clients, args.settle_s,
+                                                           args.measure_s, args.max_tokens, args.ignore_eos,
+                                                           args.stagger_s))
+                    bar.update(1)
+                rows += [{"num_steps": k, "load_per_replica": load, "concurrency": clients} | point_row(windows[k])
+                         for k in steps]
+    await target.put_mode(None)
+    return {"model": target.model, "replicas": replicas, "policy": policy.model_dump(), "stagger_s": args.stagger_s,
+            "rows": rows}
+
+
+def calibrate(measured: dict, args: argparse.Namespace) -> dict:
+    """The ladder and the policy file's contents from the measurements."""
+    tps: dict[int, dict[float, float]] = {}
+    for r in measured["rows"]:
+        tps.setdefault(r["num_steps"], {})[r["load_per_replica"]] = r["output_tokens_per_s"]
+    tiers = derive_tiers(tps)
+    policy = PolicyConfig.model_validate(measured["policy"] | {"tiers": tiers})
+    return {"tiers": tiers, "crossovers": plain_crossovers(tps), "policy": policy.model_dump()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.repeats < 1:
+        parser().error("--repeats must be at least 1")
+    if args.stagger_s < 0:
+        parser().error("--stagger-s must be >= 0")
+    t0 = time.monotonic()
+    measured = run_against_target(args, lambda target: measure(target, args))
+    result = calibrate(measured, args) | {"measurements": measured}
+    command = " ".join(["python -m serve_app.tools.calibrate", *(sys.argv[1:] if argv is None else argv)])
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    header = (f"Written by `{command}` on {when}\n({measured['model']}, {measured['replicas']} replicas, "
+              f"{time.monotonic() - t0:.0f} s). Load = waiting + running per replica.\n"
+              f"Plain decoding overtakes num_steps k at load: {result['crossovers']}\n"
+              "Re-run the command to recalibrate; edit by hand at your own risk.")
+    write_policy_file(args.out, PolicyConfig.model_validate(result["policy"]), header)
+    print("tokens/s by load per replica and num_steps:")
+    steps = sorted({r["num_steps"] for r in measured["rows"]}, reverse=True)
+    print(f"{'load':>6} " + " ".join(f"{'k=' + str(k):>9}" for k in steps))
+    for load in sorted({r["load_per_replica"] for r in measured["rows"]}):
+        tps = {r["num_steps"]: r["output_tokens_per_s"] for r in measured["rows"] if r["load_per_replica"] == load}
+        print(f"{load:>6g} " + " ".join(f"{tps[k]:>9.1f}" for k in steps))
+    print(f"crossovers (plain overtakes k at load): {result['crossovers']}")
+    print(f"tiers: {result['tiers']}\nwrote {args.out}")
+    if args.results:
+        Path(args.results).write_text(json.dumps(result | {"command": command, "date": when}, indent=2))
+        print(f"wrote {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

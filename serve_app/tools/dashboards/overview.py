@@ -1,0 +1,151 @@
+"""The overview: what mode each replica is in, why it switched, and what each mode did."""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import common, stat, statetimeline, table, timeseries
+from grafana_foundation_sdk.builders import dashboard as gd
+from grafana_foundation_sdk.models import dashboard as gm
+
+from serve_app.tools.dashboards.common import APP, DATASOURCE, new_dashboard, query
+
+UID = "specserve-overview"
+
+
+def _timeseries(title: str, unit: str, *targets, span: int = 12, description: str = ""):
+    panel = timeseries.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
+    return panel.targets(list(targets)).span(span).height(8)
+
+
+def _quantiles(metric: str) -> list:
+    return [
+        query(
+            f"histogram_quantile({q}, sum by (le, num_steps) (rate({metric}_bucket{{{APP}}}[$__rate_interval])))",
+            f"p{round(q * 100)} at {{{{num_steps}}}} steps",
+            ref,
+        )
+        for q, ref in ((0.5, "A"), (0.99, "B"))
+    ]
+
+
+def build() -> gd.Dashboard:
+    mode_timeline = (
+        statetimeline.Panel()
+        .title("Mode per replica (draft steps; 0 = plain decode)")
+        .datasource(DATASOURCE)
+        .targets(
+            [
+                query(f"max by (app) (ray_specserve_cluster_num_steps{{{APP}}})", "controller ({{app}})", "A"),
+                query(f"max by (replica) (ray_specserve_replica_num_steps{{{APP}}})", "{{replica}}", "B"),
+            ]
+        )
+        .span(24)
+        .height(7)
+        .color_scheme(gd.FieldColor().mode(gm.FieldColorModeId.CONTINUOUS_BL_YL_RD))
+    )
+    queue = _timeseries(
+        "Cluster queue against the tier thresholds",
+        "short",
+        query(f"max by (app) (ray_specserve_cluster_queue{{{APP}}})", "cluster queue ({{app}})", "A"),
+        query(
+            f"max by (app, tier, num_steps) (ray_specserve_policy_tier_bound{{{APP}}})"
+            f" * on (app) group_left max by (app) (ray_specserve_live_replicas{{{APP}}})",
+            "tier {{tier}}: {{num_steps}} steps below",
+            "B",
+        ),
+        description="Waiting + running requests over live replicas; each threshold is a tier's load-per-replica "
+        "bound times the live replicas (the policy adds a hysteresis margin to leave a tier).",
+    )
+    replica_load = _timeseries(
+        "Waiting and running per replica",
+        "short",
+        query(f"max by (replica) (ray_specserve_replica_waiting{{{APP}}})", "{{replica}} waiting", "A"),
+        query(f"max by (replica) (ray_specserve_replica_running{{{APP}}})", "{{replica}} running", "B"),
+    )
+    throughput = _timeseries(
+        "Output tokens per second",
+        "short",
+        query(f"sum by (app) (rate(ray_specserve_output_tokens_total{{{APP}}}[$__rate_interval]))", "{{app}}", "A"),
+        query(
+            f"max by (replica) (ray_specserve_replica_output_tokens_per_second{{{APP}}})", "{{replica}} (engine)", "B"
+        ),
+        span=12,
+    )
+    acceptance = _timeseries(
+        "Draft acceptance rate",
+        "percentunit",
+        query(f"max by (replica) (ray_specserve_replica_accept_rate{{{APP}}})", "{{replica}}", "A"),
+        span=12,
+    )
+    ttft = _timeseries("Time to first token by mode", "s", *_quantiles("ray_specserve_ttft_seconds"))
+    tpot = _timeseries("Time per output token by mode", "s", *_quantiles("ray_specserve_tpot_seconds"))
+    since_switch = (
+        stat.Panel()
+        .title("Since the last switch")
+        .datasource(DATASOURCE)
+        .unit("s")
+        .targets([query(f"time() - max(ray_specserve_last_switch_timestamp_seconds{{{APP}}})", "since", "A")])
+        .span(6)
+        .height(8)
+    )
+    switches = (
+        table.Panel()
+        .title("Recent switches (latest of each kind)")
+        .description(
+            "One row per (from, to, reason): when it last happened and how often since the controller started."
+        )
+        .datasource(DATASOURCE)
+        .targets(
+            [
+                query(
+                    f"max by (app, from, to, reason) (ray_specserve_switch_timestamp_seconds{{{APP}}}) * 1000",
+                    "",
+                    "A",
+                    instant=True,
+                    table=True,
+                ),
+                query(
+                    f"sum by (app, from, to, reason) (ray_specserve_switches_total{{{APP}}})",
+                    "",
+                    "B",
+                    instant=True,
+                    table=True,
+                ),
+            ]
+        )
+        .with_transformation(gm.DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(
+            gm.DataTransformerConfig(
+                id_val="organize",
+                options={
+                    "excludeByName": {"Time": True},
+                    "renameByName": {"Value #A": "last switch", "Value #B": "count"},
+                    "indexByName": {"Value #A": 0, "app": 1, "from": 2, "to": 3, "reason": 4, "Value #B": 5},
+                },
+            )
+        )
+        .sort_by([common.TableSortByFieldState().display_name("last switch").desc(True)])
+        .override_by_name("last switch", [gm.DynamicConfigValue(id_val="unit", value="dateTimeAsIso")])
+        .span(18)
+        .height(8)
+    )
+    return (
+        new_dashboard(
+            UID,
+            "specserve overview",
+            "Speculation mode per replica, the load that drives it, each switch and why, and what each mode did "
+            "to throughput and latency. Orange markers: mode switches.",
+        )
+        .with_row(gd.Row("Mode"))
+        .with_panel(mode_timeline)
+        .with_row(gd.Row("Load"))
+        .with_panel(queue)
+        .with_panel(replica_load)
+        .with_row(gd.Row("Throughput and latency"))
+        .with_panel(throughput)
+        .with_panel(acceptance)
+        .with_panel(ttft)
+        .with_panel(tpot)
+        .with_row(gd.Row("Switches"))
+        .with_panel(switches)
+        .with_panel(since_switch)
+    )

@@ -1,0 +1,180 @@
+"""``python -m serve_app.tools.simulate``: run the cluster simulation; ``validate`` and ``study`` subcommands.
+
+    python -m serve_app.tools.simulate --curves h200-8b-roofline --replicas 64 --trace bursty \\
+        --policy spec,off,dynamic --out bench/results/sim_run.json
+    python -m serve_app.tools.simulate validate --curves bench/results/engine_cpu_eagle_t1.json \\
+        --serve bench/results/serve_sweep.json
+    python -m serve_app.tools.simulate study          # the runs and plots of docs/simulation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from serve_app.control.config import ControllerOptions, PolicyConfig, Tier
+
+from .curves import PRESETS, Curve, load_curve
+from .sim import POLICIES, SimOptions, Simulation
+from .traces import make_trace
+
+
+def curve_policy(curve: Curve, spec_steps: int | None = None) -> PolicyConfig:
+    """A ladder calibrated from the curve: each tier runs the num_steps that is fastest over its
+    range of load per replica (only moves to fewer steps as load grows are kept, so noise in
+    a measured curve cannot make the ladder climb back). ``spec_steps`` caps the top tier."""
+    ks = [k for k in curve.steps if spec_steps is None or k <= spec_steps]
+    tiers: list[Tier] = []
+    current = None
+    for b in range(1, curve.max_running + 1):
+        best = max(ks, key=lambda k: curve.throughput(b, k))
+        if current is None:
+            current = best
+        elif best < current:
+            tiers.append(Tier(below=b, num_steps=current))
+            current = best
+    tiers.append(Tier(num_steps=current))
+    first = tiers[0].below or 1.0
+    return PolicyConfig(tiers=tiers, margin=round(max(0.5, 0.1 * first), 2))
+
+
+def load_policy(path: str) -> tuple[PolicyConfig | None, ControllerOptions | None, int | None]:
+    """Policy, controller options and engine slots (max_num_seqs) from a serve config YAML (its
+    first application's args, validated as AppArgs so ``policy_file`` is resolved), an
+    AppArgs-shaped file, or a bare policy file."""
+    from serve_app.serving.config import AppArgs
+
+    data = yaml.safe_load(Path(path).read_text())
+    if "applications" in data:
+        data = data["applications"][0].get("args", {})
+    if "tiers" in data:
+        return PolicyConfig.model_validate(data), None, None
+    args = AppArgs.model_validate(data)
+    return args.policy, args.controller, getattr(args.engine.options, "max_num_seqs", None)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--curves", required=True, help=f"engine bench JSON or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--prompt-set", default=None, help="prompt set of a bench JSON (default: its first)")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--trace", default="bursty", help="bursty | diurnal | FILE (.json or .csv with arrival_s)")
+    p.add_argument("--duration", type=float, default=600.0, help="trace seconds (bursty/diurnal)")
+    p.add_argument("--load", type=float, default=None, help="scale of the trace's rate (1 = as defined)")
+    p.add_argument("--policy", default="spec,off,dynamic", help=f"comma list of {', '.join(POLICIES)}")
+    p.add_argument(
+        "--policy-config",
+        default=None,
+        help="YAML/JSON: a serve config, AppArgs or bare PolicyConfig (default: calibrated from the curve)",
+    )
+    p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: top tier)")
+    p.add_argument("--report-interval", type=float, default=None, help="seconds (default 0.25)")
+    p.add_argument("--stale-after", type=float, default=None, help="seconds (default max(1, 4 × interval))")
+    p.add_argument("--report-delay", type=float, default=0.005, help="report transit seconds")
+    p.add_argument("--broadcast-delay", type=float, default=0.01, help="mode broadcast seconds (±50%% jitter)")
+    p.add_argument(
+        "--no-report-answers",
+        action="store_true",
+        help="modes reach replicas by broadcast only, not also by the answers to their reports",
+    )
+    p.add_argument("--max-running", type=int, default=None, help="slots per replica (default: the curve's)")
+    p.add_argument("--dt", type=float, default=0.02, help="time step, seconds")
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results as JSON")
+
+
+def setup(args) -> tuple[Curve, PolicyConfig, ControllerOptions]:
+    curve = load_curve(args.curves, args.prompt_set, args.max_running)
+    policy, options = None, None
+    if args.policy_config:
+        policy, options, max_seqs = load_policy(args.policy_config)
+        if max_seqs and args.max_running is None and args.curves not in PRESETS:
+            curve.max_running = max_seqs
+    policy = policy or curve_policy(curve, args.spec_steps)
+    if args.report_interval is not None or options is None:
+        interval = args.report_interval or (options.report_interval_s if options else 0.25)
+        stale = args.stale_after or max(1.0, 4 * interval)
+        options = ControllerOptions(report_interval_s=interval, stale_after_s=stale)
+    return curve, policy, options
+
+
+def run_one(curve, policy, options, args, policy_name: str, replicas: int | None = None, **trace_kw):
+    n = replicas or args.replicas
+    spec = args.spec_steps if args.spec_steps is not None else policy.tiers[0].num_steps or curve.spec_steps
+    rps = n * curve.capacity() / curve.output_tokens * (args.load or 1.0)
+    trace = make_trace(args.trace, rps, args.duration, curve.output_tokens, args.seed, **trace_kw)
+    opts = SimOptions(
+        replicas=n,
+        policy=policy_name,
+        spec_steps=spec,
+        dt_s=args.dt,
+        report_delay_s=args.report_delay,
+        broadcast_delay_s=args.broadcast_delay,
+        report_answers=not args.no_report_answers,
+        max_running=args.max_running,
+        seed=args.seed,
+        slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
+        slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
+    )
+    sim = Simulation(curve, trace, policy, options, opts).run()
+    return sim, sim.summary()
+
+
+def run(args) -> int:
+    curve, policy, options = setup(args)
+    results = {}
+    for name in [p.strip() for p in args.policy.split(",") if p.strip()]:
+        sim, s = run_one(curve, policy, options, args, name)
+        s["timeline"] = [[round(x, 3) for x in row] for row in sim.timeline]
+        results[name] = s
+        print(
+            f"{name:8s} tok/s {s['output_tokens_per_s']:>10.1f}  goodput {s['goodput_tokens_per_s']:>10.1f}  "
+            f"TTFT p50/p99 {s['ttft_p50_ms']}/{s['ttft_p99_ms']} ms  TPOT p50/p99 {s['tpot_p50_ms']}/"
+            f"{s['tpot_p99_ms']} ms  switches {s['switches']}  modes {s['time_in_mode']}  "
+            f"[{s['requests']} requests, {s['sim_time_s']:.0f} s simulated in {s['wall_s']:.1f} s]"
+        )
+    meta = {
+        "command": "python -m serve_app.tools.simulate " + " ".join(sys.argv[1:]),
+        "curve": curve.describe(),
+        "policy": policy.model_dump(),
+        "controller": options.model_dump(),
+        "trace": args.trace,
+        "duration_s": args.duration,
+        "load": args.load or 1.0,
+        "report_delay_s": args.report_delay,
+        "broadcast_delay_s": args.broadcast_delay,
+        "dt_s": args.dt,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "policies": results}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("validate", "study"):
+        from . import study, validate
+
+        module = validate if argv[0] == "validate" else study
+        p = argparse.ArgumentParser(
+            prog=f"python -m serve_app.tools.simulate {argv[0]}",
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(p)
+        return module.run(p.parse_args(argv[1:]))
+    p = argparse.ArgumentParser(
+        prog="python -m serve_app.tools.simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
