@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install what the tests need, then run the whole suite. Extra arguments go to pytest.
+# Install what the tests need, then run the tests: the fast ones by default, all of them with
+# --full (what CI runs). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

@@ -187,3 +187,43 @@ def sglang_src(sglang_release):
         reason = f"sglang {sglang_release} wheel not found: run .ci/fetch_sglang_wheel.sh"
         pytest.fail(reason) if os.environ.get("CI", "").lower() in ("true", "1") else pytest.skip(reason)
     return path
+
+
+# Tight limits, so that the limits themselves are exercised and the fuzzer's requests are short;
+# shared by the bad-input, fuzz and operator-API tests.
+GUARD_LIMITS = {"max_prompt_tokens": 64, "max_tokens": 8, "max_request_bytes": 65536, "max_waiting_per_replica": 2}
+
+
+@pytest.fixture(scope="session")
+def guard_app(serve_http):
+    engine = {
+        "embedded": {"model": "tiny-random", "device": "cpu", "num_threads": 1, "max_num_seqs": 2, "max_model_len": 128}
+    }
+    app = deploy("guard", serve_http, app_args(num_replicas=1, engine=engine, limits=GUARD_LIMITS))
+    yield app
+    undeploy(app)
+
+
+# -- the fast default run and the full one ------------------------------------------------------
+# A test is slow when it starts Ray, trains a draft head (through these fixtures, or itself: then
+# it is marked `slow`) or loads the real model (`real_model`). `pytest` runs the rest; `pytest
+# --full` (what CI runs) runs all.
+_SLOW_FIXTURES = {"ray_session", "serve_http", "tiny_app", "fresh_tiny_app", "guard_app", "tiny_head"}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full", action="store_true", help="also run the slow tests: those that start Ray or load the real model"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("real_model") or _SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    if config.getoption("--full"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]

@@ -101,10 +101,6 @@ def test_unknown_model_and_route_are_404s(tiny_app, client):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
-def test_health(tiny_app):
-    assert tiny_app.http.get("/health").json() == {"status": "ok"}
-
-
 def test_operator_api_requires_the_bearer_token(tiny_app):
     body = {"mode": "auto"}
     assert tiny_app.put(body, headers={}).status_code == 401

@@ -1,26 +1,11 @@
 """Bad input: every case of the corpus is a 4xx OpenAI error that names the problem, and the
-server serves normally afterwards. ``guard_app`` (tight limits) is shared with the fuzz and
-operator-API tests."""
+server serves normally afterwards, on ``guard_app`` (tight limits, in conftest)."""
 
 import json
 
 import pytest
 
-from tests.conftest import app_args, deploy, undeploy
-
-# Tight limits, so that the limits themselves are exercised and the fuzzer's requests are short.
-GUARD_LIMITS = {"max_prompt_tokens": 64, "max_tokens": 8, "max_request_bytes": 65536, "max_waiting_per_replica": 2}
-
-
-@pytest.fixture(scope="session")
-def guard_app(serve_http):
-    engine = {
-        "embedded": {"model": "tiny-random", "device": "cpu", "num_threads": 1, "max_num_seqs": 2, "max_model_len": 128}
-    }
-    app = deploy("guard", serve_http, app_args(num_replicas=1, engine=engine, limits=GUARD_LIMITS))
-    yield app
-    undeploy(app)
-
+from tests.conftest import GUARD_LIMITS
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]

@@ -123,6 +123,7 @@ def test_bench_report_writes_markdown_with_ratios_and_both_plots(results):
         assert (results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # starts its own Ray and Serve
 def test_bench_serve_brings_up_the_app_of_a_config_itself(tmp_path):
     """Its own Ray, in a subprocess (this test session may hold one already); random admin token."""
     config, out = tmp_path / "tiny.yaml", tmp_path / "sweep.json"

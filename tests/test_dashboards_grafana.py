@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from serve_app.control.annotations import GrafanaAnnotator
 from serve_app.control.config import GrafanaAnnotations
 from serve_app.tools.dashboards import build_all
-from serve_app.tools.dashboards.annotations import GrafanaAnnotator
 from serve_app.tools.dashboards.publish import publish
 
 RECORDED = json.loads((Path(__file__).parent / "fixtures/grafana_publish.json").read_text())["exchanges"]

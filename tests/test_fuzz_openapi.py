@@ -16,7 +16,6 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from tests.conftest import TEST_ADMIN_TOKEN
-from tests.test_bad_input import guard_app  # noqa: F401  (the shared app fixture)
 
 # 100 in the test run; SPECSERVE_FUZZ_CASES=900 gives the >5,000-case run of docs/reliability.md.
 CASES_PER_OPERATION_AND_MODE = int(os.environ.get("SPECSERVE_FUZZ_CASES", "100"))

@@ -28,8 +28,7 @@ def test_a_killed_replica_costs_no_request_and_comes_back_in_the_current_mode(ta
     assert r["failed"] == 0, r["errors"]  # no hang, no error but a cleanly cut stream
     assert r["retried"] + r["cut"] >= 1  # the kill hit requests in flight...
     assert r["completed"] + r["cut"] == r["sent"]  # ...and only streams past their first token saw it
-    # The replacement runs the forced mode: replica_kill waited for it (raises on timeout).
-    assert len(r["recovery_s"]) == 1
+    # The replacement runs the forced mode: replica_kill waits for it and raises on a timeout.
 
 
 def test_killing_the_controller_5_times_during_switches_fails_no_request_and_loses_no_event(target):

@@ -10,7 +10,6 @@ import yaml
 
 from serve_app.serving.config import AppArgs
 from tests.conftest import TEST_ADMIN_TOKEN, app_args, deploy, undeploy
-from tests.test_bad_input import guard_app  # noqa: F401  (the shared app fixture)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

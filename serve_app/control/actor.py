@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import asdict
 from typing import Any
 
 from serve_app.control.config import ControllerOptions, PolicyConfig
@@ -49,7 +50,7 @@ class ModeController:
         self._loop = self._load(PolicyConfig.model_validate(policy), ControllerOptions.model_validate(options))
         self._annotator = None
         if self._loop.options.grafana is not None:
-            from serve_app.tools.dashboards.annotations import GrafanaAnnotator
+            from serve_app.control.annotations import GrafanaAnnotator
 
             self._annotator = GrafanaAnnotator(app_name, self._loop.options.grafana, self._metrics)
         self._ticker = asyncio.create_task(self._run())
@@ -141,12 +142,14 @@ class ModeController:
                 self._waiters.discard(fut)
         return self._loop.version, self._loop.num_steps
 
-    async def report(self, report: dict[str, Any]) -> tuple[int, int]:
-        """A replica's load report (see ReplicaReport); answers (version, num_steps).
+    async def report(self, report: ReplicaReport | dict[str, Any]) -> tuple[int, int]:
+        """A replica's load report (a ReplicaReport, or its fields as a dict); answers
+        (version, num_steps).
 
         The report's own ``time`` counts, so a report delayed by a controller restart arrives stale."""
-        report = {**report, "time": min(report.get("time", time.time()), time.time())}
-        answer = self._loop.report(ReplicaReport(**report))
+        fields = asdict(report) if isinstance(report, ReplicaReport) else report
+        fields = {**fields, "time": min(fields.get("time", time.time()), time.time())}
+        answer = self._loop.report(ReplicaReport(**fields))
         self._after(None)
         return answer
 

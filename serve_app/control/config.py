@@ -61,6 +61,12 @@ class PolicyConfig(Strict):
         return [t.below for t in self.tiers[:-1]]  # type: ignore[misc]
 
     @property
+    def spec_steps(self) -> int:
+        """The lowest-load tier's num_steps: what "speculation on" means under this policy (the
+        controller starts there, and the static "spec" policy of the benchmarks runs it)."""
+        return self.tiers[0].num_steps
+
+    @property
     def history_s(self) -> float:
         """How much load history ``decide`` looks at (callers may drop older samples)."""
         return self.dwell_s + self.smoothing_s + 1.0

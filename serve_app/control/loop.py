@@ -71,7 +71,7 @@ class ControlLoop:
         self.policy = policy
         self.configured_policy = policy
         self.options = options
-        self.num_steps = policy.tiers[0].num_steps
+        self.num_steps = policy.spec_steps
         self.override: int | None = None
         self.version = 0
         self.last_switch_time: float | None = None

@@ -7,6 +7,7 @@ sections are their own packages' models.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
@@ -98,3 +99,17 @@ class AppArgs(Strict):
                     f"policy.tiers[{i}].num_steps={tier.num_steps} is not in engine.{backend}.candidate_steps={candidates}"
                 )
         return self
+
+
+def read_serve_config(path: str) -> tuple[str, dict[str, Any]]:
+    """(application name, raw args) of the first application of a ``serve run`` config file;
+    a file that is the args themselves (no ``applications``) gives the name "specserve"."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a serve config must be a mapping")
+    if "applications" not in data:
+        return "specserve", data
+    app = data["applications"][0]
+    return app.get("name", "specserve"), app.get("args") or {}

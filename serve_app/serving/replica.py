@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import psutil
 from ray import serve
 
-from serve_app.control import ControllerOptions, PolicyConfig, get_or_create_controller
+from serve_app.control import ControllerOptions, PolicyConfig, ReplicaReport, get_or_create_controller
 from serve_app.engines import make_engine
 from serve_app.engines.base import EngineOverloadedError, GenerateRequest, InvalidRequestError, TokenDelta
 from serve_app.engines.config import EngineConfig
@@ -124,12 +124,12 @@ class LLMReplica:
             try:
                 report = self.report()
                 self._metrics.observe_load(
-                    report["num_steps"],
-                    report["waiting"],
-                    report["running"],
-                    report["output_tokens_per_s"],
-                    report["accept_rate"],
-                    report["active_num_steps"],
+                    report.num_steps,
+                    report.waiting,
+                    report.running,
+                    report.output_tokens_per_s,
+                    report.accept_rate,
+                    report.active_num_steps,
                 )
                 answer = await asyncio.wait_for(self._controller.report.remote(report), 4 * interval)
                 # A switch may wait up to the engine's RPC timeout: apply it beside the loop, one at
@@ -145,22 +145,22 @@ class LLMReplica:
             except Exception as e:
                 logger.debug("load report failed: %s", e)
 
-    def report(self) -> dict:
-        """The load report sent to the controller (see controller.ReplicaReport)."""
+    def report(self) -> ReplicaReport:
+        """The load report sent to the controller."""
         load = self._engine.load()
-        return {
-            "replica_id": self._id,
-            "time": time.time(),
-            "waiting": load.waiting,
-            "running": load.running,
-            "num_steps": self._num_steps,
-            "active_num_steps": self._num_steps if load.active_num_steps is None else load.active_num_steps,
-            "applied_version": self._version,
-            "output_tokens_per_s": load.output_tokens_per_s,
-            "accept_rate": load.accept_rate,
-            "switch_failures": self._switch_failures,
-            "last_switch_error": self._last_switch_error,
-        }
+        return ReplicaReport(
+            replica_id=self._id,
+            time=time.time(),
+            waiting=load.waiting,
+            running=load.running,
+            num_steps=self._num_steps,
+            applied_version=self._version,
+            output_tokens_per_s=load.output_tokens_per_s,
+            accept_rate=load.accept_rate,
+            active_num_steps=self._num_steps if load.active_num_steps is None else load.active_num_steps,
+            switch_failures=self._switch_failures,
+            last_switch_error=self._last_switch_error,
+        )
 
     def info(self) -> dict:
         """Identity, mode and start-up timings of this replica."""

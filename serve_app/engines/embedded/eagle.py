@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import pack_linears
+from .model import rope as apply_rope
 
 HEADS_DIR = Path(__file__).parent / "heads"
 
@@ -92,7 +93,7 @@ class EagleHead(nn.Module):
         xq = qkv[..., :nq].view(B, q, c.num_heads, c.head_dim)
         xk = qkv[..., nq:nq + nkv].view(B, q, c.num_kv_heads, c.head_dim)
         xv = qkv[..., nq + nkv:].view(B, q, c.num_kv_heads, c.head_dim)
-        return _rope(xq, cos, sin), _rope(xk, cos, sin), xv
+        return apply_rope(xq, cos, sin), apply_rope(xk, cos, sin), xv
 
     def finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output hidden state from its residual input ``g`` and attention [B,H,q,D]."""
@@ -104,11 +105,6 @@ class EagleHead(nn.Module):
 
     def logits(self, a: torch.Tensor) -> torch.Tensor:
         return self.lm_head(F.rms_norm(a, (self.config.hidden_size,), self.norm_out, self.config.rms_norm_eps))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 # -- files --------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class Llama:
             xq = qkv[..., :nq].view(B, q, s.num_heads, d)
             xk = qkv[..., nq:nq + nkv].view(B, q, s.num_kv_heads, d)
             xv = qkv[..., nq + nkv:].view(B, q, s.num_kv_heads, d)
-            xq, xk = _rope(xq, cos, sin), _rope(xk, cos, sin)
+            xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
             k_cache, v_cache = cache.layer(i)  # [S, KV, T, D]
             k_cache[rows, :, pos] = xk
             v_cache[rows, :, pos] = xv
@@ -100,7 +100,8 @@ class Llama:
         return self.lm_head_linear(picked).float(), torch.cat(tapped, dim=-1) if taps else hidden
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (the halves layout), shared by the target and the draft head."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

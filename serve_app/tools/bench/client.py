@@ -20,11 +20,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+
+from serve_app.serving.config import read_serve_config
 
 from .prompts import PROMPT_SETS, chat_messages
 from .stats import RequestTiming
@@ -223,13 +224,6 @@ def prompt_messages(names: list[str]) -> list[list[dict]]:
 
 
 # -- bringing the application up ---------------------------------------------------------
-def read_config(path: str) -> tuple[str, dict]:
-    """(application name, args) of the first application of a ``serve run`` config."""
-    raw = yaml.safe_load(Path(path).read_text())
-    app = raw["applications"][0]
-    return app.get("name", "specserve"), app.get("args") or {}
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -263,7 +257,7 @@ def local_app(config: str, overrides: list[str] | None = None) -> Iterator[str]:
     from serve_app.serving.app import build_app
     from serve_app.serving.config import AppArgs
 
-    name, raw_args = read_config(config)
+    name, raw_args = read_serve_config(config)
     args = AppArgs.model_validate(with_overrides(raw_args, overrides or []))
     if not os.environ.get(args.admin_token_env):  # before Ray starts: its workers inherit it
         os.environ[args.admin_token_env] = secrets.token_hex(16)
@@ -302,7 +296,7 @@ def run_against_target(args: argparse.Namespace, body: Callable[[Target], Awaita
     for name in args.prompt_set.split(","):
         if name not in PROMPT_SETS:
             raise SystemExit(f"prompt sets are {', '.join(PROMPT_SETS)}; got {name!r}")
-    token_env = args.admin_token_env or (read_config(args.config)[1].get("admin_token_env", "SPECSERVE_ADMIN_TOKEN")
+    token_env = args.admin_token_env or (read_serve_config(args.config)[1].get("admin_token_env", "SPECSERVE_ADMIN_TOKEN")
                                          if not args.url else "SPECSERVE_ADMIN_TOKEN")
 
     async def main(url: str) -> Any:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import platform
 import re
@@ -32,7 +31,7 @@ from serve_app.engines.base import GenerateRequest, SamplingParams
 from serve_app.engines.embedded.weights import DEFAULT_MODEL, TINY_MODEL
 
 from .prompts import PROMPT_SETS, chat_messages
-from .stats import RequestTiming, acceptance, crossover, summarize
+from .stats import RequestTiming, acceptance, crossover, emit, summarize
 
 HELP = "throughput and latency of the embedded engine per num_steps and concurrency"
 HF_BATCH = 16  # the static batch of the batched transformers baseline
@@ -88,12 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if 0 in args.concurrency:
         sys.exit("concurrency must be positive")
     result = asyncio.run(benchmark(args))
-    print(format_report(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.out}")
-    return 0
+    return emit(result, format_report(result), args.out)
 
 
 # -- one point --------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import math
 import platform
 import sys
@@ -44,7 +43,7 @@ from tqdm import tqdm
 from .client import POLICIES, Poller, Target, add_target_arguments, prompt_messages, run_against_target
 from .engine import _f as f
 from .engine import _int_list
-from .stats import RequestTiming, summarize
+from .stats import RequestTiming, emit, summarize
 
 HELP = "spec vs off vs dynamic over a concurrency sweep, through the HTTP serving stack"
 
@@ -78,12 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.stagger_s < 0:
         sys.exit("--stagger-s must be >= 0")
     result = run_against_target(args, lambda target: sweep(target, args))
-    print(format_table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.out}")
-    return 0
+    return emit(result, format_table(result), args.out)
 
 
 # -- one point ---------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""Turning request timings into benchmark numbers: percentiles, acceptance, crossover."""
+"""Turning request timings into benchmark numbers (percentiles, acceptance, crossover), and
+writing a benchmark's result."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,3 +93,13 @@ def _first_loss(tps: dict[tuple[int, int], float], steps: list[int]) -> int | No
         if spec and max(spec) <= tps[0, c]:
             return c
     return None
+
+
+def emit(result: dict, table: str, out: str | None) -> int:
+    """Print a benchmark's table and write its JSON result to ``out`` (if given); exit status 0."""
+    print(table)
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {out}")
+    return 0

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .client import POLICIES, Poller, Target, add_target_arguments, all_replicas_at, prompt_messages, run_against_target
 from .engine import _f as f
 from .serve import _policies, meta, spec_steps_of
-from .stats import summarize
+from .stats import emit, summarize
 
 HELP = "an open-loop bursty or diurnal trace replayed against spec, off and dynamic"
 
@@ -64,12 +64,7 @@ def run(args: argparse.Namespace) -> int:
     args.tpot_slo_ms = args.tpot_slo_ms or slo
     trace = load_or_make_trace(args)
     result = run_against_target(args, lambda target: replay_all(target, trace, args))
-    print(format_table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.out}")
-    return 0
+    return emit(result, format_table(result), args.out)
 
 
 # -- traces (pure) -----------------------------------------------------------------------

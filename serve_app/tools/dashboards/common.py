@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from grafana_foundation_sdk.builders import dashboard as gd
-from grafana_foundation_sdk.builders import prometheus
+from grafana_foundation_sdk.builders import prometheus, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as gm
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
@@ -96,3 +96,18 @@ def to_json(board: gd.Dashboard) -> dict[str, Any]:
     data = json.loads(json.dumps(board.build(), cls=JSONEncoder))
     data["annotations"] = {"list": switch_annotations()}
     return data
+
+
+def timeseries_panel(title: str, unit: str, *targets, span: int = 12, description: str = ""):
+    """A time-series panel of the given targets."""
+    panel = timeseries.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
+    return panel.targets(list(targets)).span(span).height(8)
+
+
+def quantiles(histogram: str, legend: str) -> list:
+    """The p50 and p99 targets of a histogram expression; ``histogram`` has ``{q}`` where the
+    quantile goes, ``legend`` has ``{p}`` where its percent goes."""
+    return [
+        query(histogram.replace("{q}", str(q)), legend.replace("{p}", str(round(q * 100))), ref)
+        for q, ref in ((0.5, "A"), (0.99, "B"))
+    ]

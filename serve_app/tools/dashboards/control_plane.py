@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as gd
-from grafana_foundation_sdk.builders import timeseries
 
-from serve_app.tools.dashboards.common import APP, DATASOURCE, new_dashboard, query
+from serve_app.tools.dashboards.common import APP, new_dashboard, quantiles, query, timeseries_panel
 
 UID = "specserve-control-plane"
 
 
-def _panel(title: str, unit: str, *targets, description: str = ""):
-    panel = timeseries.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
-    return panel.targets(list(targets)).span(12).height(8)
-
-
 def build() -> gd.Dashboard:
-    load = _panel(
+    load = timeseries_panel(
         "Load per replica against the tier bounds",
         "short",
         query(f"max by (app) (ray_specserve_load_per_replica{{{APP}}})", "load per replica ({{app}})", "A"),
@@ -27,44 +21,36 @@ def build() -> gd.Dashboard:
         ),
         description="What the policy compares (before its smoothing) with each tier's upper bound.",
     )
-    mode = _panel(
+    mode = timeseries_panel(
         "Cluster mode and live replicas",
         "short",
         query(f"max by (app) (ray_specserve_cluster_num_steps{{{APP}}})", "num_steps ({{app}})", "A"),
         query(f"max by (app) (ray_specserve_live_replicas{{{APP}}})", "live replicas ({{app}})", "B"),
     )
     # Switches are rare: quantiles over every switch since the controller started, not a rate.
-    propagation = _panel(
+    propagation = timeseries_panel(
         "Switch propagation (decision → applied on every live replica)",
         "s",
-        *[
-            query(
-                f"histogram_quantile({q}, sum by (app, le) (ray_specserve_switch_propagation_seconds_bucket{{{APP}}}))",
-                f"p{round(q * 100)} ({{{{app}}}})",
-                ref,
-            )
-            for q, ref in ((0.5, "A"), (0.99, "B"))
-        ],
+        *quantiles(
+            f"histogram_quantile({{q}}, sum by (app, le) (ray_specserve_switch_propagation_seconds_bucket{{{APP}}}))",
+            "p{p} ({{app}})",
+        ),
     )
-    decision = _panel(
+    decision = timeseries_panel(
         "Controller decision latency (one tick)",
         "s",
-        *[
-            query(
-                f"histogram_quantile({q}, sum by (app, le)"
-                f" (rate(ray_specserve_controller_decision_seconds_bucket{{{APP}}}[$__rate_interval])))",
-                f"p{round(q * 100)} ({{{{app}}}})",
-                ref,
-            )
-            for q, ref in ((0.5, "A"), (0.99, "B"))
-        ],
+        *quantiles(
+            "histogram_quantile({q}, sum by (app, le)"
+            f" (rate(ray_specserve_controller_decision_seconds_bucket{{{APP}}}[$__rate_interval])))",
+            "p{p} ({{app}})",
+        ),
     )
-    switches = _panel(
+    switches = timeseries_panel(
         "Switches by reason (cumulative)",
         "short",
         query(f"sum by (app, reason) (ray_specserve_switches_total{{{APP}}})", "{{reason}} ({{app}})", "A"),
     )
-    annotations = _panel(
+    annotations = timeseries_panel(
         "Grafana HTTP annotations by result (cumulative)",
         "short",
         query(f"sum by (app, result) (ray_specserve_grafana_annotations_total{{{APP}}})", "{{result}} ({{app}})", "A"),

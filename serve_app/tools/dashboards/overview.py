@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders import common, stat, statetimeline, table, timeseries
+from grafana_foundation_sdk.builders import common, stat, statetimeline, table
 from grafana_foundation_sdk.builders import dashboard as gd
 from grafana_foundation_sdk.models import dashboard as gm
 
-from serve_app.tools.dashboards.common import APP, DATASOURCE, new_dashboard, query
+from serve_app.tools.dashboards.common import APP, DATASOURCE, new_dashboard, quantiles, query, timeseries_panel
 
 UID = "specserve-overview"
 
 
-def _timeseries(title: str, unit: str, *targets, span: int = 12, description: str = ""):
-    panel = timeseries.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
-    return panel.targets(list(targets)).span(span).height(8)
-
-
 def _quantiles(metric: str) -> list:
-    return [
-        query(
-            f"histogram_quantile({q}, sum by (le, num_steps) (rate({metric}_bucket{{{APP}}}[$__rate_interval])))",
-            f"p{round(q * 100)} at {{{{num_steps}}}} steps",
-            ref,
-        )
-        for q, ref in ((0.5, "A"), (0.99, "B"))
-    ]
+    return quantiles(
+        f"histogram_quantile({{q}}, sum by (le, num_steps) (rate({metric}_bucket{{{APP}}}[$__rate_interval])))",
+        "p{p} at {{num_steps}} steps",
+    )
 
 
 def build() -> gd.Dashboard:
@@ -42,7 +33,7 @@ def build() -> gd.Dashboard:
         .height(7)
         .color_scheme(gd.FieldColor().mode(gm.FieldColorModeId.CONTINUOUS_BL_YL_RD))
     )
-    queue = _timeseries(
+    queue = timeseries_panel(
         "Cluster queue against the tier thresholds",
         "short",
         query(f"max by (app) (ray_specserve_cluster_queue{{{APP}}})", "cluster queue ({{app}})", "A"),
@@ -55,13 +46,13 @@ def build() -> gd.Dashboard:
         description="Waiting + running requests over live replicas; each threshold is a tier's load-per-replica "
         "bound times the live replicas (the policy adds a hysteresis margin to leave a tier).",
     )
-    replica_load = _timeseries(
+    replica_load = timeseries_panel(
         "Waiting and running per replica",
         "short",
         query(f"max by (replica) (ray_specserve_replica_waiting{{{APP}}})", "{{replica}} waiting", "A"),
         query(f"max by (replica) (ray_specserve_replica_running{{{APP}}})", "{{replica}} running", "B"),
     )
-    throughput = _timeseries(
+    throughput = timeseries_panel(
         "Output tokens per second",
         "short",
         query(f"sum by (app) (rate(ray_specserve_output_tokens_total{{{APP}}}[$__rate_interval]))", "{{app}}", "A"),
@@ -70,14 +61,14 @@ def build() -> gd.Dashboard:
         ),
         span=12,
     )
-    acceptance = _timeseries(
+    acceptance = timeseries_panel(
         "Draft acceptance rate",
         "percentunit",
         query(f"max by (replica) (ray_specserve_replica_accept_rate{{{APP}}})", "{{replica}}", "A"),
         span=12,
     )
-    ttft = _timeseries("Time to first token by mode", "s", *_quantiles("ray_specserve_ttft_seconds"))
-    tpot = _timeseries("Time per output token by mode", "s", *_quantiles("ray_specserve_tpot_seconds"))
+    ttft = timeseries_panel("Time to first token by mode", "s", *_quantiles("ray_specserve_ttft_seconds"))
+    tpot = timeseries_panel("Time per output token by mode", "s", *_quantiles("ray_specserve_tpot_seconds"))
     since_switch = (
         stat.Panel()
         .title("Since the last switch")

@@ -14,47 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
-from serve_app.control.config import ControllerOptions, PolicyConfig, Tier
+from serve_app.control.config import ControllerOptions, PolicyConfig
 
 from .curves import PRESETS, Curve, load_curve
+from .policies import curve_policy, load_policy
 from .sim import POLICIES, SimOptions, Simulation
 from .traces import make_trace
-
-
-def curve_policy(curve: Curve, spec_steps: int | None = None) -> PolicyConfig:
-    """A ladder calibrated from the curve: each tier runs the num_steps that is fastest over its
-    range of load per replica (only moves to fewer steps as load grows are kept, so noise in
-    a measured curve cannot make the ladder climb back). ``spec_steps`` caps the top tier."""
-    ks = [k for k in curve.steps if spec_steps is None or k <= spec_steps]
-    tiers: list[Tier] = []
-    current = None
-    for b in range(1, curve.max_running + 1):
-        best = max(ks, key=lambda k: curve.throughput(b, k))
-        if current is None:
-            current = best
-        elif best < current:
-            tiers.append(Tier(below=b, num_steps=current))
-            current = best
-    tiers.append(Tier(num_steps=current))
-    first = tiers[0].below or 1.0
-    return PolicyConfig(tiers=tiers, margin=round(max(0.5, 0.1 * first), 2))
-
-
-def load_policy(path: str) -> tuple[PolicyConfig | None, ControllerOptions | None, int | None]:
-    """Policy, controller options and engine slots (max_num_seqs) from a serve config YAML (its
-    first application's args, validated as AppArgs so ``policy_file`` is resolved), an
-    AppArgs-shaped file, or a bare policy file."""
-    from serve_app.serving.config import AppArgs
-
-    data = yaml.safe_load(Path(path).read_text())
-    if "applications" in data:
-        data = data["applications"][0].get("args", {})
-    if "tiers" in data:
-        return PolicyConfig.model_validate(data), None, None
-    args = AppArgs.model_validate(data)
-    return args.policy, args.controller, getattr(args.engine.options, "max_num_seqs", None)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,7 +70,7 @@ def setup(args) -> tuple[Curve, PolicyConfig, ControllerOptions]:
 
 def run_one(curve, policy, options, args, policy_name: str, replicas: int | None = None, **trace_kw):
     n = replicas or args.replicas
-    spec = args.spec_steps if args.spec_steps is not None else policy.tiers[0].num_steps or curve.spec_steps
+    spec = args.spec_steps if args.spec_steps is not None else policy.spec_steps or curve.spec_steps
     rps = n * curve.capacity() / curve.output_tokens * (args.load or 1.0)
     trace = make_trace(args.trace, rps, args.duration, curve.output_tokens, args.seed, **trace_kw)
     opts = SimOptions(

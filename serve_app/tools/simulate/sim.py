@@ -114,7 +114,7 @@ class Simulation:
         n = opts.replicas
         self.S = S = opts.max_running or curve.max_running
         self.rng = np.random.default_rng(opts.seed)
-        spec = opts.spec_steps if opts.spec_steps is not None else policy.tiers[0].num_steps
+        spec = opts.spec_steps if opts.spec_steps is not None else policy.spec_steps
         self.spec_steps = spec
         self.ks = sorted({0, spec, *(t.num_steps for t in policy.tiers)})
         self.rate_lut, self.prefill_lut = curve.tables(self.ks, S)

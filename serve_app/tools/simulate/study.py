@@ -20,8 +20,8 @@ from pathlib import Path
 
 from serve_app.control.config import ControllerOptions
 
-from .__main__ import curve_policy
 from .curves import PRESETS, load_curve
+from .policies import curve_policy
 from .sim import SimOptions, Simulation
 from .traces import bursty
 
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     curve = load_curve(args.curves)
     policy = curve_policy(curve)
-    spec = policy.tiers[0].num_steps
+    spec = policy.spec_steps
     results: dict = {
         "meta": {
             "curve": curve.describe(),

@@ -37,8 +37,8 @@ import numpy as np
 from serve_app.control.config import ControllerOptions, PolicyConfig
 from serve_app.control.policy import raw_tier
 
-from .__main__ import load_policy
 from .curves import from_bench
+from .policies import load_policy
 from .sim import ClosedLoop, SimOptions, Simulation, by_batch
 
 ALIASES = {"auto": "dynamic", "static-spec": "spec", "static-off": "off"}
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dynamic runs the sweep's ladder: {policy.tiers}")
     curve = from_bench(args.curves, args.prompt_set or meta.get("prompt_set"), max_running=max_seqs or 32)
     replicas = args.replicas or meta.get("num_replicas") or meta.get("replicas") or 2
-    spec = args.spec_steps if args.spec_steps is not None else meta.get("spec_steps") or policy.tiers[0].num_steps
+    spec = args.spec_steps if args.spec_steps is not None else meta.get("spec_steps") or policy.spec_steps
     rows = sorted(serve["rows"], key=lambda r: (r["policy"], r["concurrency"]))
     efficiency = None
     if args.stack_efficiency_from:
