@@ -160,7 +160,7 @@ def controller(ray_session):
 def test_long_poll_returns_on_a_switch_and_times_out_otherwise(controller, ray_session):
     _, ctl = controller
     ray = ray_session
-    assert ray.get(ctl.get_mode.remote()) == (0, 5)
+    assert ray.get(ctl.get_num_steps.remote()) == (0, 5)
     t0 = time.monotonic()
     assert ray.get(ctl.wait_for_mode.remote(0, 0.3)) == (0, 5)
     assert 0.25 < time.monotonic() - t0 < 2.0

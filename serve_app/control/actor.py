@@ -117,7 +117,7 @@ class ModeController:
         # The long-poll is what guarantees delivery; this direct push is a second path.
         try:
             handle = await self._handle
-            await handle.broadcast("apply_mode", version, num_steps).results_async(
+            await handle.broadcast("apply_num_steps", version, num_steps).results_async(
                 timeout_s=5.0, return_exceptions=True
             )
         except Exception as e:
@@ -125,7 +125,7 @@ class ModeController:
 
     # -- called by replicas -------------------------------------------------------------------
 
-    async def get_mode(self) -> tuple[int, int]:
+    async def get_num_steps(self) -> tuple[int, int]:
         """(version, num_steps) now."""
         return self._loop.version, self._loop.num_steps
 

@@ -4,7 +4,7 @@ The replica is glue. It knows neither how speculation works (the engine does) no
 switch (the controller does): it reports the engine's load every ``report_interval_s`` and
 applies every ``(version, num_steps)`` it hears of, from three paths, whichever comes first:
 the long-poll on the controller (what guarantees delivery), the controller's direct
-broadcast to ``apply_mode``, and the answer to each load report. It reads the current mode
+broadcast to ``apply_num_steps``, and the answer to each load report. It reads the current mode
 before it takes any traffic.
 """
 
@@ -71,7 +71,7 @@ class LLMReplica:
 
         self._controller = get_or_create_controller(self._app, ctx.deployment, policy, controller)
         await self._controller.configure.remote(policy.model_dump(), controller.model_dump())
-        await self.apply_mode(*await self._controller.get_mode.remote())
+        await self.apply_num_steps(*await self._controller.get_num_steps.remote())
         self._mode_applied_at = time.time()
         logger.info(
             "replica %s ready in mode %d (version %d), %.0f ms after the engine",
@@ -84,7 +84,7 @@ class LLMReplica:
 
     # -- mode -------------------------------------------------------------------------------
 
-    async def apply_mode(self, version: int, num_steps: int) -> int:
+    async def apply_num_steps(self, version: int, num_steps: int) -> int:
         """Run ``num_steps`` from the next decode step, if ``version`` is newer than ours.
         Returns the version now applied. Called by the controller's direct broadcast too."""
         async with self._mode_lock:
@@ -109,7 +109,7 @@ class LLMReplica:
         while True:
             try:
                 ref = self._controller.wait_for_mode.remote(self._version, timeout)
-                await self.apply_mode(*await asyncio.wait_for(ref, timeout + 30))
+                await self.apply_num_steps(*await asyncio.wait_for(ref, timeout + 30))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # controller restarting: keep the last mode, retry
@@ -136,8 +136,8 @@ class LLMReplica:
                 # a time, so that the reports (which carry its failure) keep their pace and the
                 # replica stays live for the controller meanwhile.
                 if answer[0] > self._version and (applying is None or applying.done()):
-                    applying = asyncio.create_task(self.apply_mode(*answer))
-                    applying.add_done_callback(_ignore_failure)  # apply_mode counts and logs it
+                    applying = asyncio.create_task(self.apply_num_steps(*answer))
+                    applying.add_done_callback(_ignore_failure)  # apply_num_steps counts and logs it
             except asyncio.CancelledError:
                 if applying is not None:
                     applying.cancel()
@@ -239,6 +239,6 @@ class LLMReplica:
 
 
 def _ignore_failure(task: asyncio.Task) -> None:
-    """Retrieve a background switch's exception, already counted and logged by apply_mode."""
+    """Retrieve a background switch's exception, already counted and logged by apply_num_steps."""
     if not task.cancelled():
         task.exception()
