@@ -243,3 +243,17 @@ def test_validate_simulates_the_ladder_the_sweep_recorded(tmp_path):
     assert config_ladder["dynamic"] != config_ladder["off"]
     recorded = simulated({"policy": {"tiers": [{"below": None, "num_steps": 0}]}})
     assert recorded["dynamic"] == recorded["off"] == config_ladder["off"]
+
+
+def test_the_simulator_replays_a_bench_trace_result_with_its_arrivals_and_phases(tmp_path):
+    from serve_app.tools.bench.trace import make_trace as bench_trace
+    from serve_app.tools.simulate.traces import make_trace as sim_trace
+
+    trace = bench_trace("bursty", seed=3, low_rate=2.0, high_rate=8.0, phase_s=5.0, phases=4)
+    path = tmp_path / "serve_trace.json"
+    path.write_text(json.dumps({"meta": {}, "trace": trace, "policies": {}}))
+    replay = sim_trace(str(path), capacity_rps=1.0, duration_s=0.0, mean_tokens=32, seed=0)
+    assert len(replay) == len(trace["arrivals"]) > 0
+    assert list(replay.arrival) == sorted(a["t"] for a in trace["arrivals"])
+    assert replay.duration_s == 20.0
+    assert [name for _, _, name in replay.phases] == ["low", "high", "low", "high"]

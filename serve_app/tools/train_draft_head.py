@@ -13,7 +13,8 @@
    its own output features, each step attending to real positions up to its context and to
    its own earlier draft positions, exactly as drafting does at run time.
 
-Phases are time-boxed (``--gen-seconds``, ``--train-seconds``) so one run fits a lease.
+Phases are time-boxed (``--gen-seconds``, ``--train-seconds``) so one run fits a lease. One
+file past 300 lines: the four phases of one command, in the order they run.
 """
 
 from __future__ import annotations

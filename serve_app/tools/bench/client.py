@@ -5,6 +5,7 @@ A benchmark either targets a running application (``--url``, admin token from th
 environment) or brings one up itself from a ``serve run`` config (``--config``): a fresh
 local Ray, Serve's HTTP proxy on a free port, ``build_app`` with the config's ``args``. The
 admin token is then set (randomly, if unset) before Ray starts, so that the ingress reads it.
+One file just past 300 lines: the target, its poller and the timed request belong together.
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@ class RequestTiming:
         return (self.last_token_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (linear interpolation, as numpy's default); None if empty."""
-    return float(np.percentile(values, q)) if values else None
+def percentile(values, q: float) -> float | None:
+    """The q-th percentile of a list or array (linear interpolation, numpy's default); None if
+    empty. The one definition the benchmarks and the simulator use."""
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -89,8 +89,9 @@ def diurnal(
 
 
 def from_file(path: str | Path, mean_tokens: float, seed: int = 0) -> Trace:
-    """A JSON list (or {"requests": [...]}) of {"arrival_s", "output_tokens"?}, or a CSV with
-    those columns (header row)."""
+    """A JSON list (or {"requests": [...]}) of {"arrival_s", "output_tokens"?}, a CSV with
+    those columns (header row), or a trace of ``bench trace`` (bare, or inside a result it
+    wrote): the simulator then replays the arrivals and phases the live stack was given."""
     text = Path(path).read_text()
     if str(path).endswith(".csv"):
         lines = [ln.split(",") for ln in text.strip().splitlines()]
@@ -98,6 +99,8 @@ def from_file(path: str | Path, mean_tokens: float, seed: int = 0) -> Trace:
         rows = [dict(zip(head, (float(v) for v in ln), strict=True)) for ln in lines[1:]]
     else:
         data = json.loads(text)
+        if isinstance(data, dict) and ("arrivals" in data or "arrivals" in data.get("trace", {})):
+            return from_bench_trace(data.get("trace", data), mean_tokens, seed)
         rows = data["requests"] if isinstance(data, dict) else data
     rng = np.random.default_rng(seed)
     rows = sorted(rows, key=lambda r: r["arrival_s"])
@@ -105,6 +108,17 @@ def from_file(path: str | Path, mean_tokens: float, seed: int = 0) -> Trace:
     drawn = _lengths(len(rows), mean_tokens, rng)
     n = np.array([int(r.get("output_tokens") or d) for r, d in zip(rows, drawn, strict=True)], np.int64)
     return Trace(t, n, np.zeros(len(t), bool), float(t[-1]) if len(t) else 0.0)
+
+
+def from_bench_trace(trace: dict, mean_tokens: float, seed: int = 0) -> Trace:
+    """The arrivals and phases of a ``bench trace`` trace (``{"arrivals": [{"t", "phase"}],
+    "phases": [{"name", "start", "end"}], "duration_s"}``); output lengths drawn around
+    ``mean_tokens``, as the bench's prompts set them."""
+    t = np.array(sorted(a["t"] for a in trace["arrivals"]), float)
+    duration = float(trace.get("duration_s") or (t[-1] if len(t) else 0.0))
+    phases = [(float(p["start"]), float(p["end"]), p["name"]) for p in trace.get("phases", [])] or None
+    lengths = _lengths(len(t), mean_tokens, np.random.default_rng(seed))
+    return Trace(t, lengths, np.zeros(len(t), bool), duration, 1.0, phases)
 
 
 def make_trace(kind: str, capacity_rps: float, duration_s: float, mean_tokens: float, seed: int = 0, **kw) -> Trace:
