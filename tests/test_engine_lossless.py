@@ -55,6 +55,36 @@ def test_stop_strings_end_at_the_same_token_with_and_without_speculation(tiny):
     assert len(plain[0]) < 40, "the stop string never matched: the test did not test stopping"
 
 
+def test_a_request_that_ends_at_its_first_token_is_not_decoded_again(tiny):
+    for k in (0, 3):
+        assert [len(out) for out in run_greedy(tiny, TINY_PROMPTS[:6], lambda s, k=k: k, max_tokens=1)] == [1] * 6
+
+
+def test_stop_token_ids_end_at_the_same_token_with_and_without_speculation(tiny):
+    plain = run_greedy(tiny, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False)
+    stop = sorted({out[6] for out in plain})[:4]
+    reference = run_greedy(tiny, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False, stop_token_ids=stop)
+    ended = [out for out in reference if len(out) < 40]
+    assert ended, "no stop token id was generated: the test did not exercise them"
+    for out in ended:  # the request ends at the first stop id, which is in its output ids
+        assert out[-1] in stop and not set(out[:-1]) & set(stop)
+    for schedule in (lambda s: 3, lambda s: 5, random_schedule(7)):
+        assert run_greedy(tiny, TINY_PROMPTS, schedule, max_tokens=40, stop_token_ids=stop) == reference
+
+
+def test_min_tokens_bans_stops_at_the_same_positions_with_and_without_speculation(tiny):
+    plain = run_greedy(tiny, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False)
+    first = sorted({out[0] for out in plain})  # every request's plain first token becomes a stop id
+    reference = run_greedy(tiny, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False,
+                           stop_token_ids=first, min_tokens=6)
+    for out, p in zip(reference, plain, strict=True):
+        assert not set(out[:6]) & set(first), "a stop id came before min_tokens"
+        assert out[0] != p[0]  # the ban changed what greedy picks there
+    for schedule in (lambda s: 3, lambda s: 5, random_schedule(8)):
+        again = run_greedy(tiny, TINY_PROMPTS, schedule, max_tokens=40, stop_token_ids=first, min_tokens=6)
+        assert again == reference
+
+
 @pytest.mark.real_model
 def test_real_model_greedy_output_is_identical_for_every_num_steps_alone_and_batched():
     engine = sync_engine(max_num_seqs=24, max_model_len=1024)

@@ -9,7 +9,7 @@ running request and never changes what a request outputs under greedy sampling.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -57,19 +57,33 @@ class SamplingParams:
     """How to pick tokens. temperature 0 is greedy (and then top_p and seed do not matter)."""
 
     max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: float | None = 0.0
+    """None: the engine's default (:meth:`with_defaults`), as a request that sets none gets."""
+    top_p: float | None = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the request as end-of-sequence does (the token is in the output ids,
+    not in its text)."""
+    min_tokens: int = 0
+    """End-of-sequence and ``stop_token_ids`` cannot be generated before this many tokens."""
+
+    def with_defaults(self, temperature: float, top_p: float) -> SamplingParams:
+        """These parameters with the engine's defaults where they are None."""
+        return replace(
+            self,
+            temperature=temperature if self.temperature is None else self.temperature,
+            top_p=top_p if self.top_p is None else self.top_p,
+        )
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
-        if not 0.0 <= _number("temperature", self.temperature) <= 2.0:
+        if self.temperature is not None and not 0.0 <= _number("temperature", self.temperature) <= 2.0:
             raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature!r}", "temperature")
-        if not 0.0 < _number("top_p", self.top_p) <= 1.0:
+        if self.top_p is not None and not 0.0 < _number("top_p", self.top_p) <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
@@ -81,6 +95,17 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequestError(f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}", "seed")
+        ids = self.stop_token_ids
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
+        if len(ids) > 64:
+            raise InvalidRequestError(f"at most 64 stop_token_ids are allowed, got {len(ids)}", "stop_token_ids")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
+            )
 
 
 @dataclass(slots=True)

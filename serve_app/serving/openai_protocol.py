@@ -71,8 +71,11 @@ class _Sampling(_Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # Extension (vLLM's name): keep generating past the end-of-sequence token.
+    # Extensions, under vLLM's and SGLang's names: keep generating past the end-of-sequence token;
+    # token ids that stop as it does; no end-of-sequence or stop token before min_tokens tokens.
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
 
     default_max_tokens: ClassVar[int] = 16
 
@@ -90,11 +93,13 @@ class _Sampling(_Lenient):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(
             max_tokens=self._max_tokens(),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=self.temperature,  # None: the engine's default (the model's, or as configured)
+            top_p=self.top_p,
             stop=stop,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
+            min_tokens=self.min_tokens or 0,
         )
         params.validate()
         return params

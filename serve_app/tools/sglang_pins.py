@@ -247,7 +247,8 @@ RELIED_ON: tuple[Symbol, ...] = (
     ),
     *(
         Symbol("sglang/srt/sampling/sampling_params.py", f"SamplingParams.{f}", "sampling_dict()")
-        for f in ("max_new_tokens", "temperature", "top_p", "stop", "ignore_eos", "sampling_seed")
+        for f in ("max_new_tokens", "temperature", "top_p", "stop", "ignore_eos", "sampling_seed", "stop_token_ids",
+                  "min_new_tokens")
     ),
     Symbol(
         "sglang/srt/managers/tokenizer_manager.py",

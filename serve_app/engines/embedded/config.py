@@ -32,6 +32,12 @@ class EmbeddedOptions(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's")
     seed: int = 0
+    default_temperature: float | None = Field(
+        None, ge=0, le=2, description="for requests that set none; default: the model's generation_config.json, else 1.0"
+    )
+    default_top_p: float | None = Field(
+        None, gt=0, le=1, description="for requests that set none; default: the model's generation_config.json, else 1.0"
+    )
     tiny_layers: int = Field(2, ge=1, description="layers of the tiny-random model")
 
     @model_validator(mode="after")

@@ -95,6 +95,7 @@ class EngineCore:
         batch = self.scheduler.schedule_prefill()
         if batch:
             self._prefill(batch)
+            self.scheduler.remove_finished()  # a request may end at its first token: not decoded again
         seqs = self.scheduler.decoding()
         if seqs:
             self._decode(seqs, num_steps)
@@ -110,6 +111,7 @@ class EngineCore:
         last = torch.tensor([[n - 1] for _, n in batch])
         logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache,
                                             slot0=batch[0][0].slot, logit_index=last.to(self.device), taps=self.taps)
+        self._ban_early_stops([seq for seq, _ in batch], logits)
         emitted = 0
         for row, (seq, n) in enumerate(batch):
             seq.num_cached += n
@@ -134,6 +136,7 @@ class EngineCore:
             tokens[row, :1 + len(draft)] = torch.tensor([seq.token_ids[-1], *draft])
         lens = torch.tensor([s.num_cached for s in seqs])
         logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache, taps=self.taps)
+        self._ban_early_stops(seqs, logits)
         greedy_argmax = logits.argmax(dim=-1).tolist()
         emitted = proposed_n = accepted_n = verifies = 0
         accepted_per_seq = []
@@ -163,6 +166,20 @@ class EngineCore:
             self.drafter.observe([seqs[r].request_id for r in live], rows, [num_valid[r] for r in live])
 
     # -- output -----------------------------------------------------------------------
+    def _ban_early_stops(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """``min_tokens``: end-of-sequence and ``stop_token_ids`` get no probability at the step's
+        positions that come before a request's ``min_tokens``-th output token, a verified
+        draft's positions as well, so speculation changes nothing."""
+        for row, seq in enumerate(seqs):
+            short = seq.params.min_tokens - seq.num_output_tokens
+            if short <= 0:
+                continue
+            banned = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
+            banned = sorted(i for i in banned if i < logits.shape[-1])
+            if banned:
+                with torch.inference_mode():  # the model's logits are inference tensors
+                    logits[row, :short, banned] = float("-inf")
+
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.params.temperature == 0:
             return int(logits.argmax())
@@ -175,7 +192,7 @@ class EngineCore:
         for t in tokens:
             seq.token_ids.append(t)
             added.append(t)
-            if t in self.eos_token_ids and not seq.params.ignore_eos:
+            if (t in self.eos_token_ids and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
                 reason = "stop"
                 break
             piece, hit_stop = seq.detok.add([t])

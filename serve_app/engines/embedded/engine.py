@@ -8,6 +8,7 @@ inside its kernels, so the event loop stays responsive while the model runs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -23,7 +24,7 @@ from .drafters import make_drafter
 from .kv_cache import KVCache
 from .model import Llama
 from .sequence import Sequence, Status
-from .weights import load_model
+from .weights import generation_defaults, load_model
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,17 @@ class EmbeddedEngine:
             await asyncio.to_thread(self._thread.join, 30)
 
     # -- requests ---------------------------------------------------------------------
+    @functools.cached_property
+    def sampling_defaults(self) -> tuple[float, float]:
+        """(temperature, top_p) for requests that set none: the options', else the model's
+        generation_config.json, else 1.0 (OpenAI's)."""
+        shipped = generation_defaults(self.options.model)
+        o = self.options
+        return (
+            next(v for v in (o.default_temperature, shipped.get("temperature"), 1.0) if v is not None),
+            next(v for v in (o.default_top_p, shipped.get("top_p"), 1.0) if v is not None),
+        )
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -121,7 +133,7 @@ class EmbeddedEngine:
         """Validate a request and build its sequence; raises InvalidRequestError."""
         if self.core is None:
             raise RuntimeError("engine not started")
-        p = request.params
+        p = request.params.with_defaults(*self.sampling_defaults)
         p.validate()
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)

@@ -132,6 +132,16 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
+def generation_defaults(model: str) -> dict[str, float]:
+    """The sampling defaults a model ships (``temperature``, ``top_p`` of its
+    generation_config.json), as vLLM and SGLang apply them; {} where it ships none."""
+    path = resolve_model_dir(model) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {k: float(config[k]) for k in ("temperature", "top_p") if isinstance(config.get(k), (int, float))}
+
+
 def load_model(model: str, tiny_layers: int = 2, seed: int = 0) -> LoadedModel:
     """Load a Llama-family model's shape, weights (float32, CPU) and tokenizer."""
     from safetensors.torch import load_file

@@ -104,7 +104,7 @@ class SGLangEngine:
         request.params.validate()  # InvalidRequestError here, before any streaming
         if request.prompt_token_ids is None and not request.prompt:
             raise InvalidRequestError("a prompt or prompt_token_ids is required", "prompt")
-        if request.params.seed is not None and request.params.temperature > 0 and not self.opts.deterministic:
+        if request.params.seed is not None and request.params.temperature != 0 and not self.opts.deterministic:
             raise InvalidRequestError(
                 "seed is not honoured by this SGLang engine: SGLang samples with a per-request seed only "
                 "with deterministic inference on (engine.sglang.extra_server_args.enable_deterministic_inference)",
@@ -214,12 +214,16 @@ class SGLangEngine:
 
 def sampling_dict(params: SamplingParams) -> dict[str, Any]:
     """Our sampling parameters as SGLang's ``sampling_params`` dict."""
-    out: dict[str, Any] = {
-        "max_new_tokens": params.max_tokens,
-        "temperature": float(params.temperature),
-        "top_p": float(params.top_p),
-        "ignore_eos": params.ignore_eos,
-    }
+    out: dict[str, Any] = {"max_new_tokens": params.max_tokens, "ignore_eos": params.ignore_eos}
+    # Unset: SGLang applies the model's generation_config defaults (its --sampling-defaults model).
+    if params.temperature is not None:
+        out["temperature"] = float(params.temperature)
+    if params.top_p is not None:
+        out["top_p"] = float(params.top_p)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.min_tokens:
+        out["min_new_tokens"] = params.min_tokens
     if params.stop:
         out["stop"] = list(params.stop)
     if params.seed is not None:  # honoured only with deterministic inference (generate() refuses it otherwise)
