@@ -167,3 +167,54 @@ def test_operator_api_answers_403_with_instructions_when_no_token_is_configured(
         assert "SPECSERVE_UNSET_FOR_TESTS" in r.json()["error"]["message"]
     finally:
         undeploy(app)
+
+
+def _greedy_ids(ray, app_name: str, prompt: str, max_tokens: int) -> list[int]:
+    @ray.remote(num_cpus=0)
+    def generate(app_name):
+        from ray import serve
+
+        handle = serve.get_app_handle(app_name)
+        return handle.generate.remote(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True).result()
+
+    return ray.get(generate.remote(app_name), timeout=120)["token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_stop_token_ids_and_min_tokens_through_the_openai_client(tiny_app, ray_session, client, stream):
+    ids = _greedy_ids(ray_session, tiny_app.name, "Once upon a time", 12)
+    stop = ids[5]
+    first = ids.index(stop)
+
+    def complete(**extra) -> tuple[int, str]:
+        body = {"ignore_eos": True, "stop_token_ids": [stop], **extra}
+        kwargs = dict(model="tiny-random", prompt="Once upon a time", max_tokens=12, temperature=0, extra_body=body)
+        if not stream:
+            out = client.completions.create(**kwargs)
+            return out.usage.completion_tokens, out.choices[0].finish_reason
+        chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        return chunks[-1].usage.completion_tokens, finish[-1]
+
+    assert complete() == (first + 1, "stop")  # the stop id ends it, as end-of-sequence would
+    tokens, finish = complete(min_tokens=first + 2)  # not before min_tokens: greedy picks another token there
+    assert tokens >= first + 2 and (finish == "length") == (tokens == 12)
+
+
+def test_a_request_without_temperature_samples_at_the_engine_default(client):
+    # The tiny model ships no generation_config.json and the test app sets no default: 1.0.
+    kwargs = dict(model="tiny-random", prompt="Once upon a time", max_tokens=16, seed=11)
+    unset = client.completions.create(**kwargs).choices[0].text
+    assert unset == client.completions.create(**kwargs, temperature=1.0).choices[0].text
+    assert unset != client.completions.create(**kwargs, temperature=0).choices[0].text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": "1"}, "stop_token_ids"),
+    ({"min_tokens": -2}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+])
+def test_bad_stop_token_ids_and_min_tokens_are_400s_naming_them(tiny_app, body, param):
+    r = tiny_app.http.post("/v1/completions", json={"prompt": "x", **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
