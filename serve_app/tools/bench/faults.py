@@ -393,10 +393,23 @@ class LocalCluster:
         return {n.node_id: n for n in self.cluster.worker_nodes}
 
     def remove(self, node_id: str) -> str:
-        """Kill a worker node's raylet, object store and workers (no graceful shutdown); its label."""
+        """Lose a worker node at once: SIGKILL its workers and agents (the raylet's children),
+        then its raylet and object store (``remove_node``, no graceful shutdown); its label.
+
+        ``remove_node`` alone kills the raylet; a worker would notice that and exit only a moment
+        later, and could finish the requests it holds meanwhile, which a lost machine cannot."""
+        import psutil
+        from ray._private import ray_constants
+
         node = self.workers().get(node_id)
         if node is None:
             raise ValueError(f"{node_id} is not a live worker node of this cluster (the head cannot be removed)")
+        raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+        for child in raylet.children(recursive=True):
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
         self.cluster.remove_node(node, allow_graceful=False)
         return self.labels[node_id]
 
@@ -462,6 +475,19 @@ def _wait_back(t: Target, mode: int, replicas: int, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+def _busy_node(t: Target, eligible, wait_s: float = 10.0) -> tuple[str | None, int]:
+    """The node of the busiest replica on one of the ``eligible`` nodes, and the requests it
+    holds; waits up to ``wait_s`` for one that holds some (a node lost idle tests nothing)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        infos = [i for i in t.replica_infos() if eligible(i["node_id"])]
+        best = max(infos, key=lambda i: i["load"]["running"] + i["load"]["waiting"], default=None)
+        held = 0 if best is None else best["load"]["running"] + best["load"]["waiting"]
+        if held > 0 or time.monotonic() > deadline:
+            return (None if best is None else best["node_id"]), held
+        time.sleep(0.05)
+
+
 def node_replica(
     t: Target,
     cluster: LocalCluster,
@@ -473,7 +499,7 @@ def node_replica(
     timeout_s: float = 300,
 ) -> dict:
     """Under load in a forced ``mode``, remove the worker node of the busiest replica that does
-    not hold the controller; after ``replace_after_s`` a fresh worker joins. Serving must go on,
+    not hold the controller (when it holds requests); after ``replace_after_s`` a fresh worker joins. Serving must go on,
     and every replica must run ``mode`` again."""
     started = time.monotonic()
     ref = t.reference(max_tokens, replicas)
@@ -483,10 +509,9 @@ def node_replica(
     ctl = controller_node(t.app_name)
     with Load(t.prefix, clients, max_tokens, ref) as load:
         time.sleep(2.0)
-        infos = [i for i in t.replica_infos() if i["node_id"] != ctl and i["node_id"] != cluster.head_id]
-        if not infos:
+        victim, in_flight = _busy_node(t, lambda n: n not in (ctl, cluster.head_id))
+        if victim is None:
             raise RuntimeError(f"no worker node holds a replica without the controller: {before}")
-        victim = max(infos, key=lambda i: i["load"]["running"] + i["load"]["waiting"])["node_id"]
         at_removal = load.tally.completed
         removed_at = time.monotonic()
         removed = cluster.remove(victim)
@@ -506,6 +531,7 @@ def node_replica(
         mode=mode,
         mode_after=mode_after,
         removed_node=removed,
+        in_flight_at_removal=in_flight,
         replacement_node=added,
         recovery_s=recovery_s,
         completed_during_recovery=during,
@@ -540,6 +566,7 @@ def node_controller(
     modes_while_away: list[int] = []
     with Load(t.prefix, clients, max_tokens, ref) as load:
         time.sleep(2.0)
+        in_flight = _busy_node(t, lambda n: n == victim)[1]  # its replica's requests, if it has one
         at_removal = load.tally.completed
         removed_at = time.monotonic()
         removed = cluster.remove(victim)
@@ -578,6 +605,7 @@ def node_controller(
         version_before=version,
         version_after=s["version"],
         removed_node=removed,
+        in_flight_at_removal=in_flight,
         controller_back_on=cluster.label(back_on),
         controller_back_s=controller_back_s,
         replacement_node=added,
