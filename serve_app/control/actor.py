@@ -193,6 +193,12 @@ class ModeController:
     async def ping(self) -> bool:
         return True
 
+    async def node_id(self) -> str:
+        """The Ray node this controller runs on (hex)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 def get_or_create_controller(app_name: str, deployment_name: str, policy: PolicyConfig, options: ControllerOptions):
     """The application's controller actor, created on first call (safe to race)."""
@@ -207,7 +213,7 @@ def get_or_create_controller(app_name: str, deployment_name: str, policy: Policy
         max_restarts=-1,
         max_task_retries=-1,
         max_concurrency=10_000,
-        num_cpus=0,
+        **options.ray_actor_options.actor_options(),
     ).remote(app_name, deployment_name, policy.model_dump(), options.model_dump())
 
 

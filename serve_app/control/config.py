@@ -4,6 +4,7 @@ engine or Ray."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,39 @@ class GrafanaAnnotations(Strict):
     timeout_s: float = Field(default=2.0, gt=0)
 
 
+class ControllerActorOptions(Strict):
+    """Where Ray places the controller actor: the ``num_cpus`` and custom ``resources`` passed to
+    its ``.options()`` when it is created. The default (0 CPUs, no resources) lets Ray place it
+    on any node; ``resources: {head: 0.001}`` pins it to the nodes that offer a ``head``
+    resource. After its node is lost Ray restarts it on a live node that offers what it asks for
+    (none: it stays pending until one joins). Read only when the controller is created: a
+    running controller keeps its node until it is deleted or its node is lost."""
+
+    num_cpus: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False, description="CPUs the controller holds (default 0: it mostly waits)."
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources it needs, e.g. {head: 0.001} to pin it to the head."
+    )
+
+    @model_validator(mode="after")
+    def _custom_resources_only(self) -> ControllerActorOptions:
+        for name, amount in self.resources.items():
+            if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(
+                    f"resources: {name!r} is not a custom resource name (use num_cpus for CPUs; GPUs are not for the controller)"
+                )
+            if not (amount > 0 and math.isfinite(amount)):
+                raise ValueError(f"resources.{name} must be a finite number greater than 0, got {amount}")
+        return self
+
+    def actor_options(self) -> dict[str, Any]:
+        """The keyword arguments for ``ray.remote(...).options()``."""
+        return {"num_cpus": self.num_cpus, **({"resources": dict(self.resources)} if self.resources else {})}
+
+
 class ControllerOptions(Strict):
-    """How the controller and the replicas talk."""
+    """How the controller and the replicas talk, and where the controller runs."""
 
     report_interval_s: float = Field(default=0.25, gt=0, le=10)
     decision_interval_s: float = Field(
@@ -103,6 +135,9 @@ class ControllerOptions(Strict):
     long_poll_timeout_s: float = Field(default=10.0, gt=0)
     max_events: int = Field(default=200, ge=1)
     grafana: GrafanaAnnotations | None = None
+    ray_actor_options: ControllerActorOptions = Field(
+        default_factory=ControllerActorOptions, description="The controller actor's placement: num_cpus, resources."
+    )
 
     @model_validator(mode="after")
     def _stale_after_reports(self) -> ControllerOptions:

@@ -38,7 +38,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         **scaling,
     ).bind(args.engine, args.policy, args.controller, args.limits, args.streaming)
     # Constructor arguments exclude scaling, so that scaling does not restart replicas.
-    return OpenAIIngress.options(name=INGRESS_DEPLOYMENT).bind(
+    return OpenAIIngress.options(name=INGRESS_DEPLOYMENT, ray_actor_options=args.ingress_ray_actor_options).bind(
         replica,
         REPLICA_DEPLOYMENT,
         args.policy,

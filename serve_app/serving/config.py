@@ -64,6 +64,10 @@ class AppArgs(Strict):
         default=512, ge=1, description="Per replica; keep above the engine's queue so the engine, not Serve, queues."
     )
     replica_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    ingress_ray_actor_options: dict[str, Any] = Field(
+        default_factory=lambda: {"num_cpus": 0},
+        description="Ray actor options of the ingress replicas (Serve validates them), e.g. resources that keep it on the head node.",
+    )
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     policy_file: str | None = Field(
         default=None, description="A YAML policy file (`python -m serve_app.tools.calibrate` writes one); `policy` fields override it."

@@ -164,8 +164,11 @@ class LLMReplica:
 
     def info(self) -> dict:
         """Identity, mode and start-up timings of this replica."""
+        import ray
+
         return {
             "replica_id": self._id,
+            "node_id": ray.get_runtime_context().get_node_id(),
             "model": self._engine.model_name,
             "num_steps": self._num_steps,
             "version": self._version,
