@@ -225,7 +225,8 @@ def prompt_messages(names: list[str]) -> list[list[dict]]:
 
 
 # -- bringing the application up ---------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -266,7 +267,7 @@ def local_app(config: str, overrides: list[str] | None = None) -> Iterator[str]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
