@@ -70,8 +70,8 @@ def test_token_id_prompts_are_accepted(tiny_app):
         ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "temperature": 9}, "temperature"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "n": 99}, "n"),
+        ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "temperature": 9, "stream": True},
@@ -218,3 +218,47 @@ def test_a_request_without_temperature_samples_at_the_engine_default(client):
 def test_bad_stop_token_ids_and_min_tokens_are_400s_naming_them(tiny_app, body, param):
     r = tiny_app.http.post("/v1/completions", json={"prompt": "x", **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_n_choices_and_a_list_of_prompts_through_the_openai_client(client):
+    kw = dict(model="tiny-random", max_tokens=8, temperature=0)
+    one = client.completions.create(prompt="Once upon a time", **kw)
+    two = client.completions.create(prompt="The quick brown", **kw)
+    expected = [one.choices[0].text] * 2 + [two.choices[0].text] * 2  # greedy: n equal choices per prompt
+    out = client.completions.create(prompt=["Once upon a time", "The quick brown"], n=2, **kw)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == expected
+    assert out.usage.prompt_tokens == one.usage.prompt_tokens + two.usage.prompt_tokens
+    assert out.usage.completion_tokens == 4 * 8
+    chunks = list(client.completions.create(prompt=["Once upon a time", "The quick brown"], n=2, stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    texts, finished = ["", "", "", ""], set()
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert texts == expected and finished == {0, 1, 2, 3}
+    assert chunks[-1].usage.completion_tokens == 4 * 8
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_sampled_choices_differ_and_a_seed_reproduces_them(client):
+    kw = dict(model="tiny-random", prompt="Once upon a time", n=3, max_tokens=12, temperature=1.0, seed=5)
+    first = [c.text for c in client.completions.create(**kw).choices]
+    assert first == [c.text for c in client.completions.create(**kw).choices]
+    assert len(set(first)) > 1
+    chat = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=6, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x", "n": 0},
+    {"prompt": "x", "n": 65},
+    {"prompt": ["a"] * 33, "n": 2},
+])
+def test_too_many_choices_are_a_400_naming_n_or_the_prompt(tiny_app, body):
+    r = tiny_app.http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("n", "prompt"), r.text

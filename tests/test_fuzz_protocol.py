@@ -27,7 +27,7 @@ SCALARS = st.one_of(
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(ODD_TEXT, inner, max_size=3),
                     max_leaves=8)
 FIELDS = ["model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs",
-          "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos"]
+          "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "stop_token_ids", "min_tokens"]
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "robot"]) | JSON, "content": JSON})
 
 
@@ -43,7 +43,11 @@ def check(model, body: dict) -> None:
         assert e.param, body
         return
     assert isinstance(params.max_tokens, int) and not isinstance(params.max_tokens, bool) and params.max_tokens > 0
-    assert 0.0 <= params.temperature <= 2.0 and 0.0 < params.top_p <= 1.0 and not math.isnan(params.temperature)
+    # None: the engine's default applies (engines.base.SamplingParams.with_defaults)
+    assert params.temperature is None or (0.0 <= params.temperature <= 2.0 and not math.isnan(params.temperature))
+    assert params.top_p is None or 0.0 < params.top_p <= 1.0
+    assert all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in params.stop_token_ids)
+    assert isinstance(params.min_tokens, int) and 0 <= params.min_tokens <= params.max_tokens
     assert params.seed is None or -(2**63) <= params.seed < 2**64
     assert all(isinstance(s, str) and s.encode("utf-8") for s in params.stop)
     assert isinstance(request.stream, bool | None)

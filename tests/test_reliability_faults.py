@@ -1,10 +1,10 @@
 """Faults under load, with the scenarios of ``python -m serve_app.tools.bench faults`` at short settings:
-a replica killed, the controller killed 5 times, a 10 s switch storm. No client-visible failure,
+a replica killed, the controller killed 5 times, a 10 s switch storm, a short soak. No client-visible failure,
 greedy outputs identical to the reference throughout."""
 
 import pytest
 
-from serve_app.tools.bench.faults import Target, controller_kill, replica_kill, switch_storm
+from serve_app.tools.bench.faults import Target, controller_kill, replica_kill, soak, switch_storm
 from tests.conftest import TEST_ADMIN_TOKEN, app_args, deploy, undeploy
 
 REPLICAS = 2
@@ -85,3 +85,13 @@ def test_handle_calls_survive_a_killed_replica(target):
     assert len(done) > len(prompts) and all(done)
     while len(target.replica_actor_names()) < REPLICAS:  # leave the module's app whole for the next test
         time.sleep(0.5)
+
+
+def test_a_short_soak_fails_nothing_and_samples_rss_and_ttft(target):
+    r = soak(target, REPLICAS, clients=4, max_tokens=16, duration_s=60, sample_s=5)
+    report(r)
+    assert r["failed"] == 0 and r["cut"] == 0, r["errors"]
+    assert r["rss_samples"] >= 12 and len(r["rss"]) == REPLICAS
+    for replica in r["rss"].values():
+        assert replica["first_mib"] > 0 and replica["max_drift_pct"] >= 0
+    assert r["ttft"]["first_minute_streams"] > 0 and r["ttft"]["first_minute_p99_ms"] > 0

@@ -12,10 +12,11 @@ streams come back through the handle with ``stream=True``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from fastapi import FastAPI, Header
@@ -99,27 +100,56 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, body: oai.CompletionRequest):
         model = await self._check_model(body.model)
-        prompt, token_ids = body.prompt_text_or_ids()
-        request = GenerateRequest(oai.new_id("cmpl"), prompt, token_ids, self._params(body))
-        return await self._answer(body, model, request, None, sse.completion_events, oai.completion_response)
+        params, rid = self._params(body), oai.new_id("cmpl")
+        prompts = body.prompts()
+        requests = self._choices(rid, params, prompts, body.choices_per_prompt)
+        return await self._answer(body, model, rid, requests, None, sse.completion_events, oai.completion_response)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: oai.ChatCompletionRequest):
         model = await self._check_model(body.model)
-        request = GenerateRequest(oai.new_id("chatcmpl"), params=self._params(body))
-        return await self._answer(body, model, request, body.message_dicts(), sse.chat_events, oai.chat_response)
+        params, rid = self._params(body), oai.new_id("chatcmpl")
+        requests = self._choices(rid, params, [(None, None)], body.choices_per_prompt)
+        return await self._answer(body, model, rid, requests, body.message_dicts(), sse.chat_events, oai.chat_response)
 
-    async def _answer(self, body, model: str, request: GenerateRequest, messages, events, response):
-        """Run ``request`` on a replica and answer it: as a stream of ``events`` or as one
-        ``response`` object, with the number of replicas it took in a header."""
+    @staticmethod
+    def _choices(rid: str, params: SamplingParams, prompts, n: int) -> list[GenerateRequest]:
+        """One engine request per choice: ``n`` per prompt, in order. Choice j of a prompt samples
+        with ``seed + j`` (a seeded request stays reproducible, its choices differ)."""
+        try:
+            oai.check_choices(len(prompts), n)
+        except oai.UnsupportedParameter as e:
+            raise engine_error(e) from None
+        if len(prompts) * n == 1:
+            return [GenerateRequest(rid, prompts[0][0], prompts[0][1], params)]
+        out = []
+        for i, (text, ids) in enumerate(prompts):
+            for j in range(n):
+                seed = None if params.seed is None else (params.seed + j if params.seed + j < 2**64 else params.seed - j)
+                out.append(GenerateRequest(f"{rid}-{i * n + j}", text, ids, replace(params, seed=seed)))
+        return out
+
+    async def _answer(self, body, model: str, rid: str, requests: list[GenerateRequest], messages, events, response):
+        """Run the requests of a response's choices on replicas and answer: as one stream of
+        ``events`` or as one ``response`` object, with the most replicas one took in a header."""
+        n = body.choices_per_prompt
         if body.stream:
-            first, rest, attempts = await self._start_stream(request, messages)
-            stream = events(request.request_id, model, body.include_usage, first, rest)
-            return self._sse_response(stream, attempts)
-        result, attempts = await self._call(request, messages)
-        usage = oai.usage(result.prompt_tokens, result.completion_tokens)
-        out = response(request.request_id, model, result.text, result.finish_reason, usage)
-        return JSONResponse(out, headers=_attempts_header(attempts))
+            started = await asyncio.gather(*(self._start_stream(r, messages) for r in requests), return_exceptions=True)
+            failed = [s for s in started if isinstance(s, BaseException)]
+            if failed:  # one choice cannot start: the response is that error, the other choices stop
+                for s in started:
+                    if not isinstance(s, BaseException) and hasattr(s[1], "cancel"):
+                        s[1].cancel()
+                raise failed[0]
+            streams = [(first, rest) for first, rest, _ in started]
+            stream = events(rid, model, body.include_usage, streams, n)
+            return self._sse_response(stream, max(a for _, _, a in started))
+        answered = await asyncio.gather(*(self._call(r, messages) for r in requests))
+        results = [result for result, _ in answered]
+        prompt_tokens = sum(r.prompt_tokens for i, r in enumerate(results) if i % n == 0)  # n choices share a prompt
+        usage = oai.usage(prompt_tokens, sum(r.completion_tokens for r in results))
+        out = response(rid, model, [(r.text, r.finish_reason) for r in results], usage)
+        return JSONResponse(out, headers=_attempts_header(max(a for _, a in answered)))
 
     def _params(self, body: oai.CompletionRequest | oai.ChatCompletionRequest) -> SamplingParams:
         try:

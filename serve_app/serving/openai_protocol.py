@@ -1,7 +1,7 @@
 """The OpenAI HTTP protocol, as far as specserve speaks it: requests, responses, errors.
 
 Unknown request fields are ignored (clients send many); known fields with values we cannot
-honour (``n > 1``, ``logprobs``, ``echo``...) are rejected with a 400 that names them.
+honour (``logprobs``, ``echo``...) are rejected with a 400 that names them.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ class _Lenient(BaseModel):
         return _text_only(value)
 
 
+MAX_CHOICES = 64
+"""Completions one request may ask for: prompts × n."""
+
+
 class UnsupportedParameter(ValueError):
     """A known OpenAI parameter with a value specserve does not serve."""
 
@@ -81,8 +85,8 @@ class _Sampling(_Lenient):
 
     def sampling_params(self) -> SamplingParams:
         """The engine's SamplingParams; raises UnsupportedParameter for what we do not serve."""
-        if self.n not in (None, 1):
-            raise UnsupportedParameter("only n=1 is supported", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise UnsupportedParameter(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
         if self.logprobs not in (None, False, 0):
             raise UnsupportedParameter("logprobs are not supported", "logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -108,12 +112,17 @@ class _Sampling(_Lenient):
         return self.default_max_tokens if self.max_tokens is None else self.max_tokens
 
     @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``. One prompt: a string, a list of token ids, or a list of one of those."""
+    """``POST /v1/completions``. The prompt: a string, a list of token ids, or a list of those
+    (one completion each, ``n`` choices per prompt, in order)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -122,20 +131,21 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
-            raise ValueError("only one prompt per request is supported")
+    def _prompts(cls, prompt):
         if not prompt and prompt != "":
             raise ValueError("the prompt is empty")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")
+            if any(not p and p != "" for p in prompt):
+                raise ValueError("a prompt of the list is empty")
         return prompt
 
-    def prompt_text_or_ids(self) -> tuple[str | None, list[int] | None]:
+    def prompts(self) -> list[tuple[str | None, list[int] | None]]:
+        """Each prompt as (text, None) or (None, token ids)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            p = p[0]
-        if isinstance(p, str):
-            return p, None
-        return None, list(p)  # type: ignore[arg-type]
+        many = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        return [(x, None) if isinstance(x, str) else (None, list(x)) for x in many]  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
         if self.echo:
@@ -145,6 +155,14 @@ class CompletionRequest(_Sampling):
         if self.suffix:
             raise UnsupportedParameter("suffix is not supported", "suffix")
         return super().sampling_params()
+
+
+def check_choices(prompts: int, n: int) -> None:
+    """Raise UnsupportedParameter when ``prompts`` × ``n`` choices are more than one request may ask."""
+    if prompts * n > MAX_CHOICES:
+        raise UnsupportedParameter(
+            f"{prompts} prompts × n={n} asks for {prompts * n} completions; at most {MAX_CHOICES} per request", "n"
+        )
 
 
 class TextPart(_Lenient):
@@ -204,41 +222,37 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_response(
-    rid: str, model: str, text: str, finish_reason: str | None, usage_: dict | None, created: int | None = None
+    rid: str, model: str, outputs: list[tuple[str, str | None]], usage_: dict | None, created: int | None = None
 ) -> dict[str, Any]:
+    """A ``text_completion`` with a choice per (text, finish_reason), indexed in order."""
+    choices = [{"index": i, "text": text, "finish_reason": f, "logprobs": None} for i, (text, f) in enumerate(outputs)]
     return {
         "id": rid,
         "object": "text_completion",
         "created": created or int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": choices,
         "usage": usage_,
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str | None, usage_: dict) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-        ],
-        "usage": usage_,
-    }
+def chat_response(rid: str, model: str, outputs: list[tuple[str, str | None]], usage_: dict) -> dict[str, Any]:
+    """A ``chat.completion`` with a choice per (text, finish_reason), indexed in order."""
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": f, "logprobs": None}
+        for i, (text, f) in enumerate(outputs)
+    ]
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage_}
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None, usage_: dict | None = None
+    rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None, usage_: dict | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One ``chat.completion.chunk``; ``delta=None`` gives the usage-only final chunk (no choices)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    """One ``chat.completion.chunk`` of choice ``index``; ``delta=None`` gives the usage-only final chunk (no choices)."""
+    choices = [] if delta is None else [{"index": index, "delta": delta, "finish_reason": finish_reason,
+                                         "logprobs": None}]
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -250,9 +264,11 @@ def chat_chunk(
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None, usage_: dict | None = None
+    rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None, usage_: dict | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
+    choices = [] if text is None else [{"index": index, "text": text, "finish_reason": finish_reason,
+                                        "logprobs": None}]
     return {
         "id": rid,
         "object": "text_completion",

@@ -1,8 +1,9 @@
 """Server-sent events of the OpenAI streaming endpoints: one generator for chat and
-completions, each with its own chunk shape."""
+completions, each with its own chunk shape, over one stream per choice."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -11,8 +12,10 @@ from serve_app.engines.base import TokenDelta
 from serve_app.serving import openai_protocol as oai
 from serve_app.serving.errors import stream_error
 
-Chunk = Callable[[TokenDelta | None, dict | None], dict]
-"""A chunk for a delta (usage None), or the usage-only final chunk (delta None)."""
+Stream = tuple[TokenDelta, AsyncIterator[TokenDelta]]
+"""A started stream: its first delta and the rest."""
+Chunk = Callable[[int, TokenDelta | None, dict | None], dict]
+"""The chunk of choice ``index`` for a delta (usage None), or the usage-only final chunk (delta None)."""
 
 
 def sse(payload: dict | str) -> str:
@@ -25,20 +28,23 @@ async def chain(first: TokenDelta, rest: AsyncIterator[TokenDelta]) -> AsyncIter
         yield delta
 
 
-def chat_chunks(rid: str, model: str, include_usage: bool) -> tuple[dict, Chunk]:
-    """The opening chunk (the assistant role) and the chunk maker of a chat stream."""
+def chat_chunks(rid: str, model: str, include_usage: bool) -> tuple[Callable[[int], dict], Chunk]:
+    """The opening chunk of a choice (the assistant role) and the chunk maker of a chat stream."""
     created = int(time.time())
 
-    def chunk(delta: TokenDelta | None, usage: dict | None = None) -> dict:
+    def chunk(index: int, delta: TokenDelta | None, usage: dict | None = None) -> dict:
         content = None if delta is None else ({"content": delta.text} if delta.text else {})
-        c = oai.chat_chunk(rid, model, created, content, delta.finish_reason if delta else None, usage)
+        c = oai.chat_chunk(rid, model, created, content, delta.finish_reason if delta else None, usage, index)
         if not include_usage:
             c.pop("usage")
         return c
 
-    opening = oai.chat_chunk(rid, model, created, {"role": "assistant", "content": ""})
-    if not include_usage:
-        opening.pop("usage")
+    def opening(index: int) -> dict:
+        c = oai.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=index)
+        if not include_usage:
+            c.pop("usage")
+        return c
+
     return opening, chunk
 
 
@@ -46,9 +52,9 @@ def completion_chunks(rid: str, model: str, include_usage: bool) -> tuple[None, 
     """No opening chunk, and the chunk maker of a completions stream."""
     created = int(time.time())
 
-    def chunk(delta: TokenDelta | None, usage: dict | None = None) -> dict:
+    def chunk(index: int, delta: TokenDelta | None, usage: dict | None = None) -> dict:
         text = None if delta is None else delta.text
-        c = oai.completion_chunk(rid, model, created, text, delta.finish_reason if delta else None, usage)
+        c = oai.completion_chunk(rid, model, created, text, delta.finish_reason if delta else None, usage, index)
         if not include_usage:
             c.pop("usage")
         return c
@@ -56,37 +62,68 @@ def completion_chunks(rid: str, model: str, include_usage: bool) -> tuple[None, 
     return None, chunk
 
 
-def chat_events(rid: str, model: str, include_usage: bool, first: TokenDelta, rest: AsyncIterator[TokenDelta]):
-    """The events of a ``/v1/chat/completions`` stream."""
-    return _events(rid, chat_chunks(rid, model, include_usage), include_usage, first, rest)
+def chat_events(rid: str, model: str, include_usage: bool, streams: list[Stream], n: int = 1):
+    """The events of a ``/v1/chat/completions`` stream: choice ``i`` from ``streams[i]``."""
+    return _events(rid, chat_chunks(rid, model, include_usage), include_usage, streams, n)
 
 
-def completion_events(rid: str, model: str, include_usage: bool, first: TokenDelta, rest: AsyncIterator[TokenDelta]):
-    """The events of a ``/v1/completions`` stream."""
-    return _events(rid, completion_chunks(rid, model, include_usage), include_usage, first, rest)
+def completion_events(rid: str, model: str, include_usage: bool, streams: list[Stream], n: int = 1):
+    """The events of a ``/v1/completions`` stream: choice ``i`` from ``streams[i]``, ``n`` per prompt."""
+    return _events(rid, completion_chunks(rid, model, include_usage), include_usage, streams, n)
 
 
-async def _events(
-    rid: str,
-    chunks: tuple[dict | None, Chunk],
-    include_usage: bool,
-    first: TokenDelta,
-    rest: AsyncIterator[TokenDelta],
-) -> AsyncIterator[str]:
-    """The stream's events: the opening chunk, a chunk per delta with text or a finish reason,
-    an error event if the stream is cut (the status line is gone: reported in-band, as
-    OpenAI does), the usage chunk if asked for, then ``[DONE]``."""
+async def _merged(streams: list[Stream]) -> AsyncIterator[tuple[int, TokenDelta | Exception]]:
+    """(choice, delta) as each stream delivers; (choice, exception) where one fails."""
+    if len(streams) == 1:  # no tasks for the common case
+        try:
+            async for delta in chain(*streams[0]):
+                yield 0, delta
+        except Exception as e:
+            yield 0, e
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: Stream) -> None:
+        try:
+            async for delta in chain(*stream):
+                await queue.put((index, delta))
+        except Exception as e:
+            await queue.put((index, e))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_ = len(streams)
+        while open_:
+            index, item = await queue.get()
+            if item is None:
+                open_ -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _events(rid: str, chunks: tuple, include_usage: bool, streams: list[Stream], n: int) -> AsyncIterator[str]:
+    """The stream's events: each choice's opening chunk, a chunk per delta with text or a finish
+    reason, an error event for a choice whose stream is cut (the status line is gone: reported
+    in-band, as OpenAI does), the usage chunk if asked for, then ``[DONE]``."""
     opening, chunk = chunks
     if opening is not None:
-        yield sse(opening)
-    last = first
-    try:
-        async for delta in chain(first, rest):
-            last = delta
-            if delta.text or delta.finish_reason:
-                yield sse(chunk(delta))
-    except Exception as e:
-        yield sse(stream_error(rid, e, last.completion_tokens))
+        for index in range(len(streams)):
+            yield sse(opening(index))
+    last = [first for first, _ in streams]
+    async for index, item in _merged(streams):
+        if isinstance(item, Exception):
+            yield sse(stream_error(rid, item, last[index].completion_tokens))
+        elif item.text or item.finish_reason:
+            last[index] = item
+            yield sse(chunk(index, item))
+        else:
+            last[index] = item
     if include_usage:
-        yield sse(chunk(None, oai.usage(last.prompt_tokens, last.completion_tokens)))
+        prompt_tokens = sum(d.prompt_tokens for i, d in enumerate(last) if i % n == 0)  # n choices share a prompt
+        usage = oai.usage(prompt_tokens, sum(d.completion_tokens for d in last))
+        yield sse(chunk(0, None, usage))
     yield sse("[DONE]")

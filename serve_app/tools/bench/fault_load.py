@@ -51,6 +51,7 @@ class Load:
         self.timeout_s, self.tally, self._running = timeout_s, Tally(), True
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.ttft: list[tuple[float, float]] = []  # (sent at, monotonic; seconds to the first event) per stream
 
     def __enter__(self) -> Load:
         self._thread.start()
@@ -89,8 +90,14 @@ class Load:
                 return t.fail(f"{r.status_code}: {r.text[:200]}")
             text = r.json()["choices"][0]["text"]
         else:
+            sent = time.monotonic()
             async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                lines = [line async for line in r.aiter_lines() if line]
+                lines = []
+                async for line in r.aiter_lines():
+                    if line and not lines and r.status_code == 200:
+                        self.ttft.append((sent, time.monotonic() - sent))
+                    if line:
+                        lines.append(line)
             if r.status_code != 200:
                 return t.fail(f"{r.status_code}: {lines[:1]}")
             if lines[-1:] != ["data: [DONE]"]:

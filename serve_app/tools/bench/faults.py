@@ -131,20 +131,40 @@ def switch_storm(
     )
 
 
-def soak(t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, duration_s: float = 600) -> dict:
-    """Moderate load for ``duration_s`` in auto mode; replica RSS at start and end."""
+def soak(t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, duration_s: float = 600,
+         sample_s: float = 30.0) -> dict:
+    """Moderate load for ``duration_s`` in auto mode, after a warm-up: every replica's RSS every
+    ``sample_s`` (its largest drift from the first sample, in percent) and the p99 of the
+    streams' TTFT in the first and in the last minute."""
+    from .stats import percentile
+
     started = time.monotonic()
     ref = t.reference(max_tokens, replicas)
     t.force({"mode": "auto"}).raise_for_status()
-    rss = lambda: {i["replica_id"]: i["rss_bytes"] for i in t.replica_infos()}  # noqa: E731
+    rss = lambda: {i["replica_id"]: i["rss_bytes"] / 2**20 for i in t.replica_infos()}  # noqa: E731
+    samples: list[dict[str, float]] = []
     with Load(t.prefix, clients, max_tokens, ref) as load:
-        time.sleep(min(10.0, duration_s / 10))  # warm: caches and allocator pools filled
-        start_rss = rss()
-        time.sleep(duration_s)
-        end_rss = rss()
-    mib = lambda b: round(b / 2**20, 1)  # noqa: E731
-    per_replica = {k: {"start_mib": mib(v), "end_mib": mib(end_rss.get(k, 0))} for k, v in start_rss.items()}
-    return result("soak", load.tally, started, soak_s=duration_s, clients=clients, rss=per_replica)
+        time.sleep(min(30.0, duration_s / 10))  # warm: caches and allocator pools filled
+        begin = time.monotonic()
+        while (now := time.monotonic()) < begin + duration_s:
+            samples.append(rss())
+            time.sleep(min(sample_s, max(0.0, begin + duration_s - now)))
+        samples.append(rss())
+    per_replica = {}
+    for rid, first in samples[0].items():
+        series = [s[rid] for s in samples if rid in s]
+        drift = max(abs(v - first) for v in series) / first * 100
+        per_replica[rid] = {"first_mib": round(first, 1), "last_mib": round(series[-1], 1),
+                            "max_mib": round(max(series), 1), "max_drift_pct": round(drift, 2)}
+    minute = lambda lo, hi: [s for at, s in load.ttft if lo <= at - begin < hi]  # noqa: E731
+    first_min, last_min = minute(0, 60), minute(duration_s - 60, duration_s)
+    p99 = lambda xs: None if not xs else round(percentile(xs, 99) * 1000, 1)  # noqa: E731
+    ttft = {"first_minute_p99_ms": p99(first_min), "last_minute_p99_ms": p99(last_min),
+            "first_minute_streams": len(first_min), "last_minute_streams": len(last_min)}
+    if ttft["first_minute_p99_ms"] and ttft["last_minute_p99_ms"]:
+        ttft["last_over_first"] = round(ttft["last_minute_p99_ms"] / ttft["first_minute_p99_ms"], 3)
+    return result("soak", load.tally, started, soak_s=duration_s, clients=clients, rss_samples=len(samples),
+                  rss=per_replica, ttft=ttft)
 
 
 # -- the command ---------------------------------------------------------------------------------
