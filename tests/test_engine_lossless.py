@@ -55,6 +55,18 @@ def test_stop_strings_end_at_the_same_token_with_and_without_speculation(tiny):
     assert len(plain[0]) < 40, "the stop string never matched: the test did not test stopping"
 
 
+def test_stop_strings_wait_for_min_tokens_the_same_with_and_without_speculation(tiny):
+    reference = run_greedy(tiny, TINY_PROMPTS[:6], lambda s: 0, max_tokens=40, together=False)
+    text = tiny.tokenizer.decode(reference[0][10:12])
+    stop = [text.strip()[:3]] if text.strip() else ["w"]
+    early = run_greedy(tiny, TINY_PROMPTS[:6], lambda s: 0, max_tokens=40, stop=stop)
+    assert len(early[0]) < 40, "the stop string never matched: the test did not test stopping"
+    late = run_greedy(tiny, TINY_PROMPTS[:6], lambda s: 0, max_tokens=40, stop=stop, min_tokens=len(early[0]) + 1)
+    assert len(late[0]) > len(early[0])  # the stop string did not end it before min_tokens
+    assert run_greedy(tiny, TINY_PROMPTS[:6], lambda s: 5, max_tokens=40, stop=stop,
+                      min_tokens=len(early[0]) + 1) == late
+
+
 def test_a_request_that_ends_at_its_first_token_is_not_decoded_again(tiny):
     for k in (0, 3):
         assert [len(out) for out in run_greedy(tiny, TINY_PROMPTS[:6], lambda s, k=k: k, max_tokens=1)] == [1] * 6

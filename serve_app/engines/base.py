@@ -67,7 +67,8 @@ class SamplingParams:
     """Token ids that end the request as end-of-sequence does (the token is in the output ids,
     not in its text)."""
     min_tokens: int = 0
-    """End-of-sequence and ``stop_token_ids`` cannot be generated before this many tokens."""
+    """End-of-sequence and ``stop_token_ids`` cannot be generated, and stop strings do not end the
+    request, before this many tokens (vLLM's meaning)."""
 
     def with_defaults(self, temperature: float, top_p: float) -> SamplingParams:
         """These parameters with the engine's defaults where they are None."""

@@ -133,18 +133,14 @@ class OpenAIIngress:
         """Run the requests of a response's choices on replicas and answer: as one stream of
         ``events`` or as one ``response`` object, with the most replicas one took in a header."""
         n = body.choices_per_prompt
+        start = self._start_stream if body.stream else self._call
+        calls = [lambda opened, r=r: start(r, messages, opened) for r in requests]
         if body.stream:
-            started = await asyncio.gather(*(self._start_stream(r, messages) for r in requests), return_exceptions=True)
-            failed = [s for s in started if isinstance(s, BaseException)]
-            if failed:  # one choice cannot start: the response is that error, the other choices stop
-                for s in started:
-                    if not isinstance(s, BaseException) and hasattr(s[1], "cancel"):
-                        s[1].cancel()
-                raise failed[0]
+            started = await self._all_or_none(calls)
             streams = [(first, rest) for first, rest, _ in started]
             stream = events(rid, model, body.include_usage, streams, n)
             return self._sse_response(stream, max(a for _, _, a in started))
-        answered = await asyncio.gather(*(self._call(r, messages) for r in requests))
+        answered = await self._all_or_none(calls)
         results = [result for result, _ in answered]
         prompt_tokens = sum(r.prompt_tokens for i, r in enumerate(results) if i % n == 0)  # n choices share a prompt
         usage = oai.usage(prompt_tokens, sum(r.completion_tokens for r in results))
@@ -164,6 +160,10 @@ class OpenAIIngress:
                     400, f"max_tokens is {params.max_tokens}; the limit is {cap}", "invalid_request_error", "max_tokens"
                 )
             params.max_tokens = cap  # the default, cut to the cap
+            try:
+                params.validate()  # min_tokens against the cut max_tokens
+            except InvalidRequestError as e:
+                raise engine_error(e) from None
         return params
 
     async def _retrying(self, start, request: GenerateRequest):
@@ -189,26 +189,53 @@ class OpenAIIngress:
         except ReplicasUnavailableError:
             raise errors.replicas_unavailable() from None
 
-    async def _call(self, request: GenerateRequest, messages) -> tuple[Any, int]:
-        return await self._with_retries(lambda: self._replica.generate.remote(request, messages), request)
+    async def _call(self, request: GenerateRequest, messages, opened: list | None = None) -> tuple[Any, int]:
+        def start():
+            response = self._replica.generate.remote(request, messages)
+            if opened is not None:
+                opened.append(response)
+            return response
+
+        return await self._with_retries(start, request)
 
     async def _start_stream(
-        self, request: GenerateRequest, messages
+        self, request: GenerateRequest, messages, opened: list | None = None
     ) -> tuple[TokenDelta, AsyncIterator[TokenDelta], int]:
         """Start a stream and wait for its first delta, so that errors still get a status code
         and a replica lost before it sent anything is replaced invisibly."""
 
-        (first, it), attempts = await self._with_retries(self._stream_starter(request, messages), request)
+        (first, it), attempts = await self._with_retries(self._stream_starter(request, messages, opened), request)
         return first, it, attempts
 
-    def _stream_starter(self, request: GenerateRequest, messages):
-        """A function that opens the request's stream on a replica and waits for its first delta."""
+    def _stream_starter(self, request: GenerateRequest, messages, opened: list | None = None):
+        """A function that opens the request's stream on a replica and waits for its first delta
+        (each stream opened is added to ``opened``, so that a caller can cancel it)."""
 
         async def start():
-            it = self._replica.options(stream=True).stream.remote(request, messages).__aiter__()
+            stream = self._replica.options(stream=True).stream.remote(request, messages)
+            if opened is not None:
+                opened.append(stream)
+            it = stream.__aiter__()
             return await it.__anext__(), it
 
         return start
+
+    @staticmethod
+    async def _all_or_none(calls) -> list:
+        """Await ``calls`` (coroutines, each given a list to add the Ray requests it opens to):
+        their results in order, or, at the first failure, every request cancelled and that
+        failure raised, without waiting for the others."""
+        opened: list = []
+        tasks = [asyncio.ensure_future(call(opened)) for call in calls]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((task for task in tasks if task in done and task.exception() is not None), None)
+        if failed is None:
+            return [task.result() for task in tasks]
+        for task in pending:
+            task.cancel()
+        for response in opened:  # cancelling a waiting task does not cancel its Ray request
+            response.cancel()
+        raise failed.exception()
 
     @staticmethod
     def _sse_response(events: AsyncIterator[str], attempts: int = 1) -> StreamingResponse:

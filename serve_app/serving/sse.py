@@ -4,6 +4,7 @@ completions, each with its own chunk shape, over one stream per choice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -89,20 +90,25 @@ async def _merged(streams: list[Stream]) -> AsyncIterator[tuple[int, TokenDelta 
                 await queue.put((index, delta))
         except Exception as e:
             await queue.put((index, e))
-        await queue.put((index, None))
+        finally:
+            queue.put_nowait((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    ended: set[int] = set()
     try:
-        open_ = len(streams)
-        while open_:
+        while len(ended) < len(streams):
             index, item = await queue.get()
             if item is None:
-                open_ -= 1
+                ended.add(index)
             else:
                 yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
+    finally:  # the client went away: stop the choices still running, on their replicas too
+        for index, task in enumerate(tasks):
+            if index not in ended:
+                task.cancel()
+                rest = streams[index][1]
+                if hasattr(rest, "cancel"):
+                    rest.cancel()
 
 
 async def _events(rid: str, chunks: tuple, include_usage: bool, streams: list[Stream], n: int) -> AsyncIterator[str]:
@@ -114,14 +120,14 @@ async def _events(rid: str, chunks: tuple, include_usage: bool, streams: list[St
         for index in range(len(streams)):
             yield sse(opening(index))
     last = [first for first, _ in streams]
-    async for index, item in _merged(streams):
-        if isinstance(item, Exception):
-            yield sse(stream_error(rid, item, last[index].completion_tokens))
-        elif item.text or item.finish_reason:
+    async with contextlib.aclosing(_merged(streams)) as merged:
+        async for index, item in merged:
+            if isinstance(item, Exception):
+                yield sse(stream_error(rid, item, last[index].completion_tokens))
+                continue
             last[index] = item
-            yield sse(chunk(index, item))
-        else:
-            last[index] = item
+            if item.text or item.finish_reason:
+                yield sse(chunk(index, item))
     if include_usage:
         prompt_tokens = sum(d.prompt_tokens for i, d in enumerate(last) if i % n == 0)  # n choices share a prompt
         usage = oai.usage(prompt_tokens, sum(d.completion_tokens for d in last))

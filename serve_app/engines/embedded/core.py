@@ -195,7 +195,7 @@ class EngineCore:
             if (t in self.eos_token_ids and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
                 reason = "stop"
                 break
-            piece, hit_stop = seq.detok.add([t])
+            piece, hit_stop = seq.detok.add([t], check_stop=seq.num_output_tokens >= seq.params.min_tokens)
             text += piece
             if hit_stop:
                 reason = "stop"

@@ -100,6 +100,7 @@ class EmbeddedEngine:
         self.core = build_core(self.options)
         self.tokenizer = self.core.tokenizer
         self.vocab_size = self.core.model.shape.vocab_size
+        _ = self.sampling_defaults  # read the model's defaults now: a bad file fails start-up, not requests
         self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
         self._thread.start()
         log.info("embedded engine ready: %s on %s/%s in %.1fs", self.options.model, self.core.device,

@@ -61,8 +61,9 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
-    def add(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Add tokens; return (new text safe to emit, whether a stop string was hit)."""
+    def add(self, token_ids: list[int], check_stop: bool = True) -> tuple[str, bool]:
+        """Add tokens; return (new text safe to emit, whether a stop string was hit). Without
+        ``check_stop`` (before ``min_tokens``) no stop string is looked for."""
         for t in token_ids:
             self.ids.append(t)
             prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
@@ -70,7 +71,9 @@ class IncrementalDetokenizer:
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 self.text += full[len(prefix):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if self.stop:
+        if self.stop and not check_stop:
+            safe = max(self.emitted, len(self.text) - self.holdback)
+        elif self.stop:
             start = max(0, self.emitted - self.holdback)
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:

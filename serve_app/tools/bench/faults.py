@@ -157,7 +157,7 @@ def soak(t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, durat
         per_replica[rid] = {"first_mib": round(first, 1), "last_mib": round(series[-1], 1),
                             "max_mib": round(max(series), 1), "max_drift_pct": round(drift, 2)}
     minute = lambda lo, hi: [s for at, s in load.ttft if lo <= at - begin < hi]  # noqa: E731
-    first_min, last_min = minute(0, 60), minute(duration_s - 60, duration_s)
+    first_min, last_min = minute(0, 60), minute(max(0.0, duration_s - 60), duration_s)
     p99 = lambda xs: None if not xs else round(percentile(xs, 99) * 1000, 1)  # noqa: E731
     ttft = {"first_minute_p99_ms": p99(first_min), "last_minute_p99_ms": p99(last_min),
             "first_minute_streams": len(first_min), "last_minute_streams": len(last_min)}
