@@ -27,7 +27,8 @@ SCALARS = st.one_of(
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(ODD_TEXT, inner, max_size=3),
                     max_leaves=8)
 FIELDS = ["model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs",
-          "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "stop_token_ids", "min_tokens"]
+          "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "stop_token_ids", "min_tokens",
+          "repetition_penalty"]
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "robot"]) | JSON, "content": JSON})
 
 
@@ -51,6 +52,11 @@ def check(model, body: dict) -> None:
     assert params.seed is None or -(2**63) <= params.seed < 2**64
     assert all(isinstance(s, str) and s.encode("utf-8") for s in params.stop)
     assert isinstance(request.stream, bool | None)
+    assert -2.0 <= params.presence_penalty <= 2.0 and -2.0 <= params.frequency_penalty <= 2.0
+    assert 0.0 < params.repetition_penalty <= 10.0
+    assert all(isinstance(t, int) and t >= 0 and -100 <= v <= 100 for t, v in params.logit_bias.items())
+    assert params.logprobs is None or 0 <= params.logprobs <= 20
+    assert params.prompt_logprobs is None or params.prompt_logprobs == params.logprobs
 
 
 SETTINGS = settings(max_examples=1500, deadline=None, database=None, derandomize=True,
@@ -65,7 +71,7 @@ def test_completions_bodies_validate_or_name_the_parameter(fields, prompt):
 
 
 @SETTINGS
-@given(fields=st.dictionaries(st.sampled_from(FIELDS + ["max_completion_tokens", "tools"]), JSON, max_size=5),
+@given(fields=st.dictionaries(st.sampled_from(FIELDS + ["max_completion_tokens", "tools", "top_logprobs"]), JSON, max_size=5),
        messages=st.lists(MESSAGE, max_size=3) | JSON)
 def test_chat_bodies_validate_or_name_the_parameter(fields, messages):
     check(ChatCompletionRequest, {"messages": messages, **fields})

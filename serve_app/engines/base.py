@@ -69,6 +69,21 @@ class SamplingParams:
     min_tokens: int = 0
     """End-of-sequence and ``stop_token_ids`` cannot be generated, and stop strings do not end the
     request, before this many tokens (vLLM's meaning)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output holds so far (OpenAI's meaning)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it so far."""
+    repetition_penalty: float = 1.0
+    """A token of the prompt or the output so far has a positive logit divided by this, a
+    negative one multiplied (vLLM's and SGLang's extension)."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits of these token ids before sampling."""
+    logprobs: int | None = None
+    """None: no log-probabilities. k >= 0: each output token's, with the k most likely at its position."""
+    prompt_logprobs: int | None = None
+    """As ``logprobs``, for the prompt's tokens (the first has none): on the request's first delta."""
+    echo: bool = False
+    """The request's first delta carries the prompt's text (``TokenDelta.prompt_text``)."""
 
     def with_defaults(self, temperature: float, top_p: float) -> SamplingParams:
         """These parameters with the engine's defaults where they are None."""
@@ -103,10 +118,64 @@ class SamplingParams:
             raise InvalidRequestError(f"at most 64 stop_token_ids are allowed, got {len(ids)}", "stop_token_ids")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _number(name, getattr(self, name)) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", name)
+        if not 0.0 < _number("repetition_penalty", self.repetition_penalty) <= 10.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}", "repetition_penalty")
+        self._validate_logit_bias()
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", name)
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
             )
+
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(bias)}",
+                                      "logit_bias")
+        for token, value in bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}",
+                                          "logit_bias")
+            if not -100.0 <= _number("logit_bias", value) <= 100.0:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {value!r} for {token}",
+                                          "logit_bias")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether penalties or a bias change the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+
+MAX_LOGPROBS = 20
+"""The most alternatives per position ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's default)."""
+MAX_LOGIT_BIAS = 1024
+
+
+@dataclass(slots=True)
+class Logprob:
+    """A token's log-probability at one position, from the target model's logits before
+    temperature, top_p, penalties and bias (vLLM's "raw" logprobs), with the most likely tokens
+    there (``top``, best first; their own ``top`` is empty)."""
+
+    token_id: int
+    token: str
+    """The token's text alone (a piece of a multi-byte character decodes to U+FFFD)."""
+    bytes: list[int]
+    """The token's bytes (UTF-8 pieces included)."""
+    logprob: float | None
+    """None only for a prompt's first token, which nothing predicts."""
+    top: list[Logprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -133,6 +202,13 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[Logprob] | None = None
+    """One per entry of ``token_ids``, where the request asked for ``logprobs``."""
+    prompt_text: str | None = None
+    """On the first delta of an ``echo`` request: the prompt as text."""
+    prompt_logprobs: list[Logprob] | None = None
+    """On the first delta, where the request asked for ``prompt_logprobs``: one per prompt token
+    (the first with logprob None)."""
 
 
 @dataclass(slots=True)

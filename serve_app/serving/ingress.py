@@ -13,6 +13,7 @@ streams come back through the handle with ``stream=True``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -103,14 +104,30 @@ class OpenAIIngress:
         params, rid = self._params(body), oai.new_id("cmpl")
         prompts = body.prompts()
         requests = self._choices(rid, params, prompts, body.choices_per_prompt)
-        return await self._answer(body, model, rid, requests, None, sse.completion_events, oai.completion_response)
+        wanted = params.logprobs is not None
+
+        def respond(results, usage):
+            outputs = [((r.prompt_text or "") + r.text, r.finish_reason) for r in results]
+            logprobs = [oai.CompletionLogprobs(wanted).render((r.prompt_logprobs or []) + (r.logprobs or []))
+                        for r in results]
+            return oai.completion_response(rid, model, outputs, usage, logprobs=logprobs)
+
+        events = functools.partial(sse.completion_events, logprobs=wanted)
+        return await self._answer(body, model, rid, requests, None, events, respond)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: oai.ChatCompletionRequest):
         model = await self._check_model(body.model)
         params, rid = self._params(body), oai.new_id("chatcmpl")
         requests = self._choices(rid, params, [(None, None)], body.choices_per_prompt)
-        return await self._answer(body, model, rid, requests, body.message_dicts(), sse.chat_events, oai.chat_response)
+        wanted = params.logprobs is not None
+
+        def respond(results, usage):
+            logprobs = [oai.chat_logprobs(r.logprobs or []) if wanted else None for r in results]
+            return oai.chat_response(rid, model, [(r.text, r.finish_reason) for r in results], usage, logprobs)
+
+        events = functools.partial(sse.chat_events, logprobs=wanted)
+        return await self._answer(body, model, rid, requests, body.message_dicts(), events, respond)
 
     @staticmethod
     def _choices(rid: str, params: SamplingParams, prompts, n: int) -> list[GenerateRequest]:
@@ -129,9 +146,10 @@ class OpenAIIngress:
                 out.append(GenerateRequest(f"{rid}-{i * n + j}", text, ids, replace(params, seed=seed)))
         return out
 
-    async def _answer(self, body, model: str, rid: str, requests: list[GenerateRequest], messages, events, response):
+    async def _answer(self, body, model: str, rid: str, requests: list[GenerateRequest], messages, events, respond):
         """Run the requests of a response's choices on replicas and answer: as one stream of
-        ``events`` or as one ``response`` object, with the most replicas one took in a header."""
+        ``events`` or as one object, ``respond(results, usage)``, with the most replicas one took
+        in a header."""
         n = body.choices_per_prompt
         start = self._start_stream if body.stream else self._call
         calls = [lambda opened, r=r: start(r, messages, opened) for r in requests]
@@ -144,7 +162,7 @@ class OpenAIIngress:
         results = [result for result, _ in answered]
         prompt_tokens = sum(r.prompt_tokens for i, r in enumerate(results) if i % n == 0)  # n choices share a prompt
         usage = oai.usage(prompt_tokens, sum(r.completion_tokens for r in results))
-        out = response(rid, model, [(r.text, r.finish_reason) for r in results], usage)
+        out = respond(results, usage)
         return JSONResponse(out, headers=_attempts_header(max(a for _, a in answered)))
 
     def _params(self, body: oai.CompletionRequest | oai.ChatCompletionRequest) -> SamplingParams:

@@ -1,7 +1,8 @@
 """The OpenAI HTTP protocol, as far as specserve speaks it: requests, responses, errors.
 
 Unknown request fields are ignored (clients send many); known fields with values we cannot
-honour (``logprobs``, ``echo``...) are rejected with a 400 that names them.
+honour (``best_of``, ``suffix``, ``tools``...) are rejected with a 400 that names them.
+docs/serving.md has the table of every parameter.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve_app.engines.base import SamplingParams
+from serve_app.engines.base import Logprob, SamplingParams
 
 
 def _text_only(value: Any) -> Any:
@@ -71,15 +72,16 @@ class _Sampling(_Lenient):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    logprobs: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # Extensions, under vLLM's and SGLang's names: keep generating past the end-of-sequence token;
-    # token ids that stop as it does; no end-of-sequence or stop token before min_tokens tokens.
+    # token ids that stop as it does; no end-of-sequence or stop token before min_tokens tokens;
+    # the multiplicative penalty of tokens seen in the prompt or output.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
+    repetition_penalty: float | None = None
 
     default_max_tokens: ClassVar[int] = 16
 
@@ -87,13 +89,6 @@ class _Sampling(_Lenient):
         """The engine's SamplingParams; raises UnsupportedParameter for what we do not serve."""
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise UnsupportedParameter(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
-        if self.logprobs not in (None, False, 0):
-            raise UnsupportedParameter("logprobs are not supported", "logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise UnsupportedParameter(f"{name} is not supported", name)
-        if self.logit_bias:
-            raise UnsupportedParameter("logit_bias is not supported", "logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(
             max_tokens=self._max_tokens(),
@@ -104,9 +99,29 @@ class _Sampling(_Lenient):
             ignore_eos=self.ignore_eos,
             stop_token_ids=list(self.stop_token_ids or []),
             min_tokens=self.min_tokens or 0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            logprobs=self._logprobs(),
         )
         params.validate()
         return params
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's map of token ids, as JSON strings, to biases."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise UnsupportedParameter(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            out[token] = value
+        return out
+
+    def _logprobs(self) -> int | None:
+        """How many alternatives per output token the engine reports; None: no logprobs."""
+        raise NotImplementedError
 
     def _max_tokens(self) -> int:
         return self.default_max_tokens if self.max_tokens is None else self.max_tokens
@@ -126,6 +141,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -148,13 +164,18 @@ class CompletionRequest(_Sampling):
         return [(x, None) if isinstance(x, str) else (None, list(x)) for x in many]  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise UnsupportedParameter("echo is not supported", "echo")
         if self.best_of not in (None, 1):
             raise UnsupportedParameter("best_of is not supported", "best_of")
         if self.suffix:
             raise UnsupportedParameter("suffix is not supported", "suffix")
-        return super().sampling_params()
+        params = super().sampling_params()
+        params.echo = self.echo
+        if self.echo:  # the prompt's tokens are part of the text returned: they get logprobs too
+            params.prompt_logprobs = params.logprobs
+        return params
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
 
 
 def check_choices(prompts: int, n: int) -> None:
@@ -188,6 +209,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     default_max_tokens: ClassVar[int] = 512
 
@@ -200,6 +223,13 @@ class ChatCompletionRequest(_Sampling):
         if self.tools:
             raise UnsupportedParameter("tools are not supported", "tools")
         return super().sampling_params()
+
+    def _logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedParameter("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise UnsupportedParameter(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict[str, str]]:
         # The chat templates know "system", not OpenAI's newer "developer".
@@ -221,11 +251,48 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def chat_logprobs(entries: list[Logprob] | None) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs``: the content's tokens, each with its ``top_logprobs``."""
+    if entries is None:
+        return None
+
+    def one(e: Logprob) -> dict[str, Any]:
+        return {"token": e.token, "logprob": e.logprob, "bytes": e.bytes}
+
+    return {"content": [one(e) | {"top_logprobs": [one(t) for t in e.top]} for e in entries], "refusal": None}
+
+
+class CompletionLogprobs:
+    """A completions choice's ``logprobs``, chunk by chunk: ``text_offset`` runs on across chunks."""
+
+    def __init__(self, wanted: bool):
+        self.wanted = wanted
+        self.offset = 0
+
+    def render(self, entries: list[Logprob] | None) -> dict[str, Any] | None:
+        """``entries`` as tokens, token_logprobs, top_logprobs and text_offset. The top dict holds
+        the chosen token too, as vLLM's does; an echoed prompt's first token has None for both."""
+        if not self.wanted:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries or []:
+            out["tokens"].append(e.token)
+            out["token_logprobs"].append(e.logprob)
+            top = None if e.logprob is None else {t.token: t.logprob for t in e.top} | {e.token: e.logprob}
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(e.token)
+        return out
+
+
 def completion_response(
-    rid: str, model: str, outputs: list[tuple[str, str | None]], usage_: dict | None, created: int | None = None
+    rid: str, model: str, outputs: list[tuple[str, str | None]], usage_: dict | None, created: int | None = None,
+    logprobs: list[dict | None] | None = None,
 ) -> dict[str, Any]:
     """A ``text_completion`` with a choice per (text, finish_reason), indexed in order."""
-    choices = [{"index": i, "text": text, "finish_reason": f, "logprobs": None} for i, (text, f) in enumerate(outputs)]
+    logprobs = logprobs or [None] * len(outputs)
+    choices = [{"index": i, "text": text, "finish_reason": f, "logprobs": lp}
+               for i, ((text, f), lp) in enumerate(zip(outputs, logprobs, strict=True))]
     return {
         "id": rid,
         "object": "text_completion",
@@ -236,11 +303,13 @@ def completion_response(
     }
 
 
-def chat_response(rid: str, model: str, outputs: list[tuple[str, str | None]], usage_: dict) -> dict[str, Any]:
+def chat_response(rid: str, model: str, outputs: list[tuple[str, str | None]], usage_: dict,
+                  logprobs: list[dict | None] | None = None) -> dict[str, Any]:
     """A ``chat.completion`` with a choice per (text, finish_reason), indexed in order."""
+    logprobs = logprobs or [None] * len(outputs)
     choices = [
-        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": f, "logprobs": None}
-        for i, (text, f) in enumerate(outputs)
+        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": f, "logprobs": lp}
+        for i, ((text, f), lp) in enumerate(zip(outputs, logprobs, strict=True))
     ]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage_}
@@ -248,11 +317,11 @@ def chat_response(rid: str, model: str, outputs: list[tuple[str, str | None]], u
 
 def chat_chunk(
     rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None, usage_: dict | None = None,
-    index: int = 0,
+    index: int = 0, logprobs: dict | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk`` of choice ``index``; ``delta=None`` gives the usage-only final chunk (no choices)."""
     choices = [] if delta is None else [{"index": index, "delta": delta, "finish_reason": finish_reason,
-                                         "logprobs": None}]
+                                         "logprobs": logprobs}]
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -265,10 +334,10 @@ def chat_chunk(
 
 def completion_chunk(
     rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None, usage_: dict | None = None,
-    index: int = 0,
+    index: int = 0, logprobs: dict | None = None,
 ) -> dict[str, Any]:
     choices = [] if text is None else [{"index": index, "text": text, "finish_reason": finish_reason,
-                                        "logprobs": None}]
+                                        "logprobs": logprobs}]
     return {
         "id": rid,
         "object": "text_completion",

@@ -21,11 +21,11 @@ from ray import serve
 
 from serve_app.control import ControllerOptions, PolicyConfig, ReplicaReport, get_or_create_controller
 from serve_app.engines import make_engine
-from serve_app.engines.base import EngineOverloadedError, GenerateRequest, InvalidRequestError, TokenDelta
+from serve_app.engines.base import EngineOverloadedError, GenerateRequest, InvalidRequestError, Logprob, TokenDelta
 from serve_app.engines.config import EngineConfig
 from serve_app.serving.config import Limits, StreamOptions
 from serve_app.serving.metrics import replica_metrics
-from serve_app.serving.streaming import StreamPacer
+from serve_app.serving.streaming import StreamPacer, merge
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,9 @@ class GenerateResult:
     completion_tokens: int
     num_steps: int
     """The replica's mode when the request finished (it may have switched meanwhile)."""
+    logprobs: list[Logprob] | None = None
+    prompt_text: str | None = None
+    prompt_logprobs: list[Logprob] | None = None
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=512, health_check_period_s=5)
@@ -222,16 +225,11 @@ class LLMReplica:
 
     async def generate(self, request: GenerateRequest, messages: list[dict] | None = None) -> GenerateResult:
         """Run a request to completion."""
-        text, token_ids = [], []
-        last = None
-        async for delta in self.stream(request, messages):
-            text.append(delta.text)
-            token_ids.extend(delta.token_ids)
-            last = delta
-        assert last is not None, "the engine ended a request without a final delta"
-        return GenerateResult(
-            "".join(text), token_ids, last.finish_reason, last.prompt_tokens, last.completion_tokens, self._num_steps
-        )
+        deltas = [delta async for delta in self.stream(request, messages)]
+        assert deltas, "the engine ended a request without a final delta"
+        d = merge(deltas)
+        return GenerateResult(d.text, d.token_ids, d.finish_reason, d.prompt_tokens, d.completion_tokens,
+                              self._num_steps, d.logprobs, d.prompt_text, d.prompt_logprobs)
 
     async def __del__(self):
         for task in getattr(self, "_tasks", []):

@@ -29,13 +29,15 @@ async def chain(first: TokenDelta, rest: AsyncIterator[TokenDelta]) -> AsyncIter
         yield delta
 
 
-def chat_chunks(rid: str, model: str, include_usage: bool) -> tuple[Callable[[int], dict], Chunk]:
+def chat_chunks(rid: str, model: str, include_usage: bool, logprobs: bool = False
+                ) -> tuple[Callable[[int], dict], Chunk]:
     """The opening chunk of a choice (the assistant role) and the chunk maker of a chat stream."""
     created = int(time.time())
 
     def chunk(index: int, delta: TokenDelta | None, usage: dict | None = None) -> dict:
         content = None if delta is None else ({"content": delta.text} if delta.text else {})
-        c = oai.chat_chunk(rid, model, created, content, delta.finish_reason if delta else None, usage, index)
+        lp = oai.chat_logprobs(delta.logprobs or []) if logprobs and delta is not None else None
+        c = oai.chat_chunk(rid, model, created, content, delta.finish_reason if delta else None, usage, index, lp)
         if not include_usage:
             c.pop("usage")
         return c
@@ -49,13 +51,19 @@ def chat_chunks(rid: str, model: str, include_usage: bool) -> tuple[Callable[[in
     return opening, chunk
 
 
-def completion_chunks(rid: str, model: str, include_usage: bool) -> tuple[None, Chunk]:
-    """No opening chunk, and the chunk maker of a completions stream."""
+def completion_chunks(rid: str, model: str, include_usage: bool, logprobs: bool = False) -> tuple[None, Chunk]:
+    """No opening chunk, and the chunk maker of a completions stream (an echoed prompt opens its
+    choice's first chunk)."""
     created = int(time.time())
+    renderers: dict[int, oai.CompletionLogprobs] = {}
 
     def chunk(index: int, delta: TokenDelta | None, usage: dict | None = None) -> dict:
-        text = None if delta is None else delta.text
-        c = oai.completion_chunk(rid, model, created, text, delta.finish_reason if delta else None, usage, index)
+        text, lp = None, None
+        if delta is not None:
+            text = (delta.prompt_text or "") + delta.text
+            render = renderers.setdefault(index, oai.CompletionLogprobs(logprobs))
+            lp = render.render((delta.prompt_logprobs or []) + (delta.logprobs or []))
+        c = oai.completion_chunk(rid, model, created, text, delta.finish_reason if delta else None, usage, index, lp)
         if not include_usage:
             c.pop("usage")
         return c
@@ -63,14 +71,16 @@ def completion_chunks(rid: str, model: str, include_usage: bool) -> tuple[None, 
     return None, chunk
 
 
-def chat_events(rid: str, model: str, include_usage: bool, streams: list[Stream], n: int = 1):
+def chat_events(rid: str, model: str, include_usage: bool, streams: list[Stream], n: int = 1,
+                logprobs: bool = False):
     """The events of a ``/v1/chat/completions`` stream: choice ``i`` from ``streams[i]``."""
-    return _events(rid, chat_chunks(rid, model, include_usage), include_usage, streams, n)
+    return _events(rid, chat_chunks(rid, model, include_usage, logprobs), include_usage, streams, n)
 
 
-def completion_events(rid: str, model: str, include_usage: bool, streams: list[Stream], n: int = 1):
+def completion_events(rid: str, model: str, include_usage: bool, streams: list[Stream], n: int = 1,
+                      logprobs: bool = False):
     """The events of a ``/v1/completions`` stream: choice ``i`` from ``streams[i]``, ``n`` per prompt."""
-    return _events(rid, completion_chunks(rid, model, include_usage), include_usage, streams, n)
+    return _events(rid, completion_chunks(rid, model, include_usage, logprobs), include_usage, streams, n)
 
 
 async def _merged(streams: list[Stream]) -> AsyncIterator[tuple[int, TokenDelta | Exception]]:
@@ -126,7 +136,7 @@ async def _events(rid: str, chunks: tuple, include_usage: bool, streams: list[St
                 yield sse(stream_error(rid, item, last[index].completion_tokens))
                 continue
             last[index] = item
-            if item.text or item.finish_reason:
+            if item.text or item.finish_reason or item.logprobs or item.prompt_text or item.prompt_logprobs:
                 yield sse(chunk(index, item))
     if include_usage:
         prompt_tokens = sum(d.prompt_tokens for i, d in enumerate(last) if i % n == 0)  # n choices share a prompt

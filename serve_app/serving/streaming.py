@@ -24,10 +24,12 @@ from serve_app.serving.config import StreamOptions
 
 
 def merge(deltas: list[TokenDelta]) -> TokenDelta:
-    """One delta holding ``deltas`` in order (usage and finish reason from the last)."""
+    """One delta holding ``deltas`` in order (usage and finish reason from the last, the prompt's
+    echo and logprobs from the first)."""
     if len(deltas) == 1:
         return deltas[0]
-    last = deltas[-1]
+    first, last = deltas[0], deltas[-1]
+    logprobs = None if first.logprobs is None else [lp for d in deltas for lp in d.logprobs or []]
     return TokenDelta(
         last.request_id,
         [t for d in deltas for t in d.token_ids],
@@ -35,6 +37,9 @@ def merge(deltas: list[TokenDelta]) -> TokenDelta:
         last.finish_reason,
         last.prompt_tokens,
         last.completion_tokens,
+        logprobs,
+        first.prompt_text,
+        first.prompt_logprobs,
     )
 
 

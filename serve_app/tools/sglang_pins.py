@@ -248,7 +248,7 @@ RELIED_ON: tuple[Symbol, ...] = (
     *(
         Symbol("sglang/srt/sampling/sampling_params.py", f"SamplingParams.{f}", "sampling_dict()")
         for f in ("max_new_tokens", "temperature", "top_p", "stop", "ignore_eos", "sampling_seed", "stop_token_ids",
-                  "min_new_tokens")
+                  "min_new_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
     ),
     Symbol(
         "sglang/srt/managers/tokenizer_manager.py",

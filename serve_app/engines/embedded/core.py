@@ -19,6 +19,7 @@ import torch
 from ..base import TokenDelta
 from .drafters import Drafter
 from .kv_cache import KVCache
+from .logits import Logprobs
 from .model import Llama
 from .sampler import greedy_verify, probs_from_logits, rejection_sample, sample
 from .scheduler import Scheduler
@@ -70,6 +71,7 @@ class EngineCore:
         self.device = model.device
         # Layers whose inputs a hidden-state drafter reads; None: the plain final hidden.
         self.taps = getattr(drafter, "feature_layers", None) if drafter.needs_hidden else None
+        self.logprobs = Logprobs(tokenizer)
 
     # -- requests ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -90,6 +92,7 @@ class EngineCore:
         return self.scheduler.has_work()
 
     # -- the loop ---------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> None:
         num_steps = self.num_steps  # read once: a switch lands between steps
         batch = self.scheduler.schedule_prefill()
@@ -109,19 +112,42 @@ class EngineCore:
             tokens[row, :n] = torch.tensor(seq.token_ids[seq.num_cached:seq.num_cached + n])
         lens = torch.tensor([seq.num_cached for seq, _ in batch])
         last = torch.tensor([[n - 1] for _, n in batch])
+        every = any(seq.params.prompt_logprobs is not None for seq, _ in batch)
+        # Logits at every position where a request asks for its prompt's logprobs; else the last.
+        index = torch.minimum(torch.arange(width)[None, :], last) if every else last
         logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache,
-                                            slot0=batch[0][0].slot, logit_index=last.to(self.device), taps=self.taps)
-        self._ban_early_stops([seq for seq, _ in batch], logits)
+                                            slot0=batch[0][0].slot, logit_index=index.to(self.device), taps=self.taps)
+        if every:
+            for row, (seq, n) in enumerate(batch):
+                if seq.params.prompt_logprobs is not None:
+                    self._prompt_logprobs(seq, n, logits[row])
+            logits = logits[torch.arange(len(batch))[:, None], last]
+        finishing = [(row, seq) for row, (seq, n) in enumerate(batch) if seq.num_cached + n >= seq.num_prompt_tokens]
+        raw = self._raw_rows(finishing, logits, [1] * len(batch))
+        self._process([seq for seq, _ in batch], logits, [[] for _ in batch])
         emitted = 0
         for row, (seq, n) in enumerate(batch):
             seq.num_cached += n
             if seq.num_cached < seq.num_prompt_tokens:
                 continue
             seq.status = Status.DECODING
-            emitted += self._append(seq, [self._sample_one(seq, logits[row, 0])])
+            emitted += self._append(seq, [self._sample_one(seq, logits[row, 0])], raw.get(row))
         if self.drafter.needs_hidden:
             self._observe([s for s, _ in batch], hidden, [n for _, n in batch])
         self.stats.record(emitted)
+
+    def _prompt_logprobs(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens that this chunk's ``n`` positions predict."""
+        start = seq.num_cached
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [self.logprobs.entry(seq.token_ids[0], None)]
+        targets = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
+        seq.prompt_logprobs.extend(self.logprobs.entries(logits, targets, seq.params.prompt_logprobs))
+
+    def _raw_rows(self, rows: list[tuple[int, Sequence]], logits: torch.Tensor, widths: list[int]) -> dict:
+        """The logits as the model gave them, of the rows whose requests want logprobs, before
+        penalties and bans change them."""
+        return {row: logits[row, :widths[row]].clone() for row, seq in rows if seq.params.logprobs is not None}
 
     def _decode(self, seqs: list[Sequence], num_steps: int) -> None:
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -136,7 +162,8 @@ class EngineCore:
             tokens[row, :1 + len(draft)] = torch.tensor([seq.token_ids[-1], *draft])
         lens = torch.tensor([s.num_cached for s in seqs])
         logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache, taps=self.taps)
-        self._ban_early_stops(seqs, logits)
+        raw = self._raw_rows(list(enumerate(seqs)), logits, [1 + len(d) for d in drafts])
+        self._process(seqs, logits, drafts)
         greedy_argmax = logits.argmax(dim=-1).tolist()
         emitted = proposed_n = accepted_n = verifies = 0
         accepted_per_seq = []
@@ -153,7 +180,7 @@ class EngineCore:
                 self.totals["proposed"] += len(draft)
                 self.totals["accepted"] += n
                 self.totals["verifies"] += 1
-            emitted += self._append(seq, out)
+            emitted += self._append(seq, out, raw.get(row))
         if self.drafter.needs_hidden:
             self._observe(seqs, hidden, [1 + n for n in accepted_per_seq])
         self.stats.record(emitted, proposed_n, accepted_n, verifies)
@@ -166,6 +193,13 @@ class EngineCore:
             self.drafter.observe([seqs[r].request_id for r in live], rows, [num_valid[r] for r in live])
 
     # -- output -----------------------------------------------------------------------
+    def _process(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]]) -> None:
+        """Penalties, bias and ``min_tokens`` bans, at each row's fed positions."""
+        for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
+            if seq.logits_state is not None:
+                seq.logits_state.apply(logits[row, :1 + len(draft)], draft)
+        self._ban_early_stops(seqs, logits)
+
     def _ban_early_stops(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """``min_tokens``: end-of-sequence and ``stop_token_ids`` get no probability at the step's
         positions that come before a request's ``min_tokens``-th output token, a verified
@@ -177,16 +211,17 @@ class EngineCore:
             banned = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
             banned = sorted(i for i in banned if i < logits.shape[-1])
             if banned:
-                with torch.inference_mode():  # the model's logits are inference tensors
-                    logits[row, :short, banned] = float("-inf")
+                logits[row, :short, banned] = float("-inf")
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.params.temperature == 0:
             return int(logits.argmax())
         return sample(probs_from_logits(logits, seq.params.temperature, seq.params.top_p), seq.generator)
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> int:
-        """Append tokens one at a time, stopping exactly where plain decoding would."""
+    def _append(self, seq: Sequence, tokens: list[int], raw: torch.Tensor | None = None) -> int:
+        """Append tokens one at a time, stopping exactly where plain decoding would. ``raw``: the
+        model's logits at the tokens' positions, for their logprobs."""
+        first = seq.num_output_tokens == 0
         added: list[int] = []
         text, reason = "", None
         for t in tokens:
@@ -206,10 +241,17 @@ class EngineCore:
         if reason is not None:
             text += seq.detok.flush()
         self.totals["output_tokens"] += len(added)
+        if seq.logits_state is not None:
+            seq.logits_state.append(added)
         if reason is not None:  # before the output goes out: a client that sees its end sees it finished
             seq.status, seq.finish_reason = Status.FINISHED, reason
             self.drafter.release(seq.request_id)
-        seq.emit(TokenDelta(seq.request_id, added, text, reason, seq.num_prompt_tokens, seq.num_output_tokens))
+        delta = TokenDelta(seq.request_id, added, text, reason, seq.num_prompt_tokens, seq.num_output_tokens)
+        if seq.params.logprobs is not None and raw is not None:
+            delta.logprobs = self.logprobs.entries(raw, added, seq.params.logprobs)
+        if first:
+            delta.prompt_text, delta.prompt_logprobs = seq.prompt_text, seq.prompt_logprobs
+        seq.emit(delta)
         return len(added)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -22,6 +22,7 @@ from .config import EmbeddedOptions
 from .core import EngineCore
 from .drafters import make_drafter
 from .kv_cache import KVCache
+from .logits import LogitsState
 from .model import Llama
 from .sequence import Sequence, Status
 from .weights import generation_defaults, load_model
@@ -154,11 +155,20 @@ class EmbeddedEngine:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the context of {limit} tokens",
                 "max_tokens")
+        outside = [t for t in p.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(f"logit_bias names token {outside[0]}; token ids are in [0, {self.vocab_size})",
+                                      "logit_bias")
         gen = None
         if p.temperature > 0:
             gen = torch.Generator()
             gen.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        return Sequence(request.request_id, ids, len(ids), p, gen, emit)
+        seq = Sequence(request.request_id, ids, len(ids), p, gen, emit)
+        if p.processes_logits:
+            seq.logits_state = LogitsState(p, ids, self.vocab_size)
+        if p.echo:
+            seq.prompt_text = request.prompt if request.prompt_token_ids is None else self.tokenizer.decode(ids)
+        return seq
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Validate and queue the request now; stream its deltas from the returned iterator."""

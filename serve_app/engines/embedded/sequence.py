@@ -8,7 +8,8 @@ from enum import Enum
 
 import torch
 
-from ..base import FinishReason, SamplingParams
+from ..base import FinishReason, Logprob, SamplingParams
+from .logits import LogitsState
 
 
 class Status(Enum):
@@ -32,6 +33,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     arrival: float = field(default_factory=time.monotonic)
     detok: IncrementalDetokenizer | None = None
+    logits_state: LogitsState | None = None  # penalties and bias, where the request has any
+    prompt_text: str | None = None  # for an echo request's first delta
+    prompt_logprobs: list[Logprob] | None = None  # filled chunk by chunk during prefill
 
     @property
     def num_output_tokens(self) -> int:

@@ -110,6 +110,11 @@ class SGLangEngine:
                 "with deterministic inference on (engine.sglang.extra_server_args.enable_deterministic_inference)",
                 "seed",
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(request.params, name) is not None:
+                raise InvalidRequestError(
+                    f"{name} are not served with the SGLang engine: specserve does not map SGLang's logprob "
+                    "output (the embedded engine serves them)", name)
         if self._engine is None or self._closing:
             raise EngineError("the SGLang engine is not running")
         return self._stream(request)
@@ -118,12 +123,16 @@ class SGLangEngine:
         ids = request.prompt_token_ids
         prompt = {"input_ids": ids} if ids is not None else {"prompt": request.prompt}
         rid, finished, last = request.request_id, False, (0, 0)
+        echo = request.params.echo
         try:
             chunks = await self._engine.async_generate(
                 **prompt, sampling_params=sampling_dict(request.params), stream=True, rid=rid
             )
             async for chunk in chunks:
                 delta = to_delta(rid, chunk)
+                if echo:  # the prompt's text on the first delta
+                    delta.prompt_text = request.prompt if ids is None else self._tokenizer().decode(ids)
+                    echo = False
                 finished, last = delta.finish_reason is not None, (delta.prompt_tokens, delta.completion_tokens)
                 yield delta
         except Exception:
@@ -228,6 +237,13 @@ def sampling_dict(params: SamplingParams) -> dict[str, Any]:
         out["stop"] = list(params.stop)
     if params.seed is not None:  # honoured only with deterministic inference (generate() refuses it otherwise)
         out["sampling_seed"] = params.seed
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(params, name):
+            out[name] = float(getattr(params, name))
+    if params.repetition_penalty != 1.0:
+        out["repetition_penalty"] = float(params.repetition_penalty)
+    if params.logit_bias:  # SGLang's keys are token ids as strings, as OpenAI's
+        out["logit_bias"] = {str(k): float(v) for k, v in params.logit_bias.items()}
     return out
 
 
