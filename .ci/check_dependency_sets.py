@@ -3,7 +3,8 @@
 Run by .ci/check_dependency_sets.sh, which provides a pinned pip (with `packaging`). The sets:
 
 - requirements.txt + specserve, for CPython 3.11 and 3.12 (the CPU/embedded set);
-- requirements/sglang-*.txt + specserve, each for CPython 3.12 (one set per SGLang release).
+- requirements/sglang-*.txt + specserve, each for CPython 3.12 (one set per SGLang release);
+- requirements/bench-client.txt alone, for CPython 3.11 (SGLang's benchmark client).
 
 All are resolved for Linux x86_64 (manylinux_2_5 .. manylinux_2_34: sglang's own wheels need
 glibc 2.34) with wheels only. pip gets each wheel's metadata with HTTP range requests
@@ -57,6 +58,7 @@ class DepSet:
     files: list[Path]
     python: str
     sglang: str | None = None  # the release whose own exact pins the files must list
+    with_project: bool = True  # installed together with specserve itself
     ok: bool = False
     problems: list[str] = field(default_factory=list)
     not_checked: list[str] = field(default_factory=list)
@@ -74,6 +76,9 @@ def dep_sets() -> list[DepSet]:
     for path in sorted((ROOT / "requirements").glob("sglang-*.txt")):
         version = path.stem.removeprefix("sglang-")
         sets.append(DepSet(f"sglang {version} (py3.12)", [path], "3.12", sglang=version))
+    # SGLang's benchmark client, in a venv of its own (scripts/bench_client.sh).
+    sets.append(DepSet("bench client (py3.11)", [ROOT / "requirements" / "bench-client.txt"], "3.11",
+                       with_project=False))
     return sets
 
 
@@ -206,7 +211,9 @@ def check(dep: DepSet, project_wheel: Path, work: Path) -> DepSet:
     start = time.monotonic()
     ours, loose = pinned_in(dep.files)
     dep.problems += loose
-    reqs = [arg for path in dep.files for arg in ("-r", str(path))] + [str(project_wheel)]
+    reqs = [arg for path in dep.files for arg in ("-r", str(path))]
+    if dep.with_project:
+        reqs.append(str(project_wheel))
     folder = work / re.sub(r"\W+", "_", dep.name)
     folder.mkdir()
     stand_ins = folder / "stand-ins"
@@ -290,7 +297,8 @@ def main() -> int:
         files = " + ".join(shown(p) for p in dep.files)
         verdict = "OK" if dep.ok else "FAILED"
         print(
-            f"\n[{verdict}] {dep.name}: {files} + specserve, cp{dep.python.replace('.', '')}, "
+            f"\n[{verdict}] {dep.name}: {files}{' + specserve' if dep.with_project else ''}, "
+            f"cp{dep.python.replace('.', '')}, "
             f"{len(dep.resolved)} packages, {dep.seconds:.0f} s"
         )
         if dep.resolved:

@@ -29,6 +29,9 @@ class FakeTokenizer:
     def __call__(self, text, add_special_tokens):
         return {"input_ids": [ord(c) for c in text]}
 
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
 
 class FakeTokenizerManager:
     def __init__(self):
@@ -211,6 +214,25 @@ def test_bad_parameters_raise_before_any_streaming(sglang):
     assert err.value.param == "top_p"
     with pytest.raises(InvalidRequestError):
         eng.generate(GenerateRequest("r", prompt=""))
+
+
+def test_penalties_and_logit_bias_go_to_sglang_and_logprobs_are_refused_naming_them(sglang):
+    eng, fake = started(sglang)
+    params = SamplingParams(max_tokens=3, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
+                            logit_bias={7: 2.5}, echo=True)
+
+    async def collect(request):
+        return [d async for d in eng.generate(request)]
+
+    deltas = asyncio.run(collect(GenerateRequest("r", prompt_token_ids=[72, 105], params=params)))
+    sent = fake.request["sampling_params"]
+    assert (sent["presence_penalty"], sent["frequency_penalty"], sent["repetition_penalty"]) == (0.5, -1.0, 1.2)
+    assert sent["logit_bias"] == {"7": 2.5}  # SGLang's keys are strings, as OpenAI's
+    assert deltas[0].prompt_text == "Hi" and deltas[1].prompt_text is None  # echo: the prompt once, first
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidRequestError) as err:
+            eng.generate(GenerateRequest("r", prompt="hi", params=SamplingParams(**{name: 1})))
+        assert err.value.param == name
 
 
 def test_a_seed_on_a_sampled_request_is_refused_unless_sglang_runs_deterministic(sglang, tmp_path):

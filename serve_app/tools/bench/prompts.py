@@ -233,3 +233,10 @@ PROMPT_SETS: dict[str, list[str]] = {"copy": COPY_PROMPTS, "chat": CHAT_PROMPTS}
 def chat_messages(prompt: str) -> list[dict[str, str]]:
     """The chat messages of one benchmark prompt (render them with the engine's template)."""
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+
+
+def sharegpt(prompts: list[str]) -> list[dict]:
+    """``prompts`` as a ShareGPT-format dataset (a human turn each, an empty model turn), the
+    file shape third-party benchmark clients read (``--dataset-name sharegpt --dataset-path``)."""
+    return [{"id": f"specserve-{i}", "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": ""}]}
+            for i, p in enumerate(prompts)]
