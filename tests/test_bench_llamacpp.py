@@ -65,9 +65,10 @@ def test_half_an_install_is_not_found(tmp_path, cache):
 
 
 def test_the_version_is_what_llama_server_prints(tmp_path):
-    fake_binary(tmp_path / "llama-server", prints="version: 11434 (515e855)")
+    fake_binary(tmp_path / "llama-server", prints="version: 0.6.0-dev (build 11434, commit 515e855)")
 
-    assert llamacpp.Binaries(tmp_path / "llama-server", tmp_path / "x", "PATH").version() == "11434 (515e855)"
+    binaries = llamacpp.Binaries(tmp_path / "llama-server", tmp_path / "x", "PATH")
+    assert binaries.version() == "0.6.0-dev (build 11434, commit 515e855)"
 
 
 def test_the_build_makes_only_the_two_binaries_natively_in_release(tmp_path):
@@ -139,7 +140,7 @@ def test_engine_bench_measures_llamacpp_beside_the_engine_on_the_same_prompts(tm
     result = json.loads(out.read_text())
 
     lc = result["llamacpp_baseline"]
-    assert lc["version"].startswith(llamacpp.LLAMA_CPP_VERSION) and lc["slots"] == 2 and lc["threads"] == 1
+    assert f"build {llamacpp.LLAMA_CPP_VERSION}," in lc["version"] and lc["slots"] == 2 and lc["threads"] == 1
     assert lc["prompt_token_check"]["chat"]["mismatched"] == []  # both sides prefill the very same tokens
     assert [(r["concurrency"], r["output_tokens"]) for r in lc["rows"]] == [(1, 8), (2, 8)]
     assert all(r["output_tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["tpot_p50_ms"] > 0 for r in lc["rows"])

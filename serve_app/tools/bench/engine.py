@@ -446,6 +446,7 @@ def _meta(args, threads: int) -> dict:
         "rounds": args.rounds,
         "hf_max_tokens": (args.hf_max_tokens or args.max_tokens) if "hf" in args.baseline else None,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],  # other work on the machine, if any
         "command": " ".join(["python -m serve_app.tools.bench", *sys.argv[1:]]),
     }
 

@@ -45,7 +45,7 @@ class Binaries:
     found_in: str  # "PATH", "cache" or "built"
 
     def version(self) -> str:
-        """What ``llama-server --version`` says, e.g. ``11434 (515e855)``."""
+        """What ``llama-server --version`` says, e.g. ``0.6.0-dev (build 11434, commit 515e855)``."""
         out = subprocess.run([str(self.server), "--version"], capture_output=True, text=True, timeout=30)
         for line in (out.stdout + out.stderr).splitlines():
             if line.startswith("version:"):
@@ -177,7 +177,7 @@ def llama_server(binaries: Binaries, model: Path, threads: int, slots: int, ctx_
     port = free_port()
     cmd = server_command(binaries, model, port, threads, slots, ctx_per_slot)
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(proc, url, out, wait_s)
@@ -189,6 +189,15 @@ def llama_server(binaries: Binaries, model: Path, threads: int, slots: int, ctx_
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child: on Linux, SIGTERM when the benchmark dies, so that no server outlives it."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, out, wait_s: float) -> None:
