@@ -42,6 +42,7 @@ class Record:
     start: float
     prompt_index: int
     output_tokens: int = 0
+    prompt_tokens: int | None = None  # from usage, as the server counted them
     chunk_times: list[float] = field(default_factory=list)
     error: str | None = None
     phase: str = ""
@@ -79,6 +80,7 @@ class Target:
         self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=httpx.Timeout(900, connect=30),
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
         self.model: str | None = None
+        self.extra_body: dict[str, Any] = {}  # added to every chat request, e.g. a server's own parameters
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -102,6 +104,11 @@ class Target:
         r = await self.http.get("/v1/speculation")
         r.raise_for_status()
         return r.json()
+
+    async def status_or_none(self) -> dict | None:
+        """The operator API's status; None from a server without one (llama-server, vLLM, ...)."""
+        r = await self.http.get("/v1/speculation")
+        return r.json() if r.status_code == 200 else None
 
     async def put_mode(self, num_steps: int | None) -> dict:
         """Pin ``num_steps`` (``None``: back to auto, the policy decides)."""
@@ -134,7 +141,7 @@ class Target:
         """One greedy streamed chat completion, timed chunk by chunk."""
         rec = Record(time.perf_counter(), prompt_index)
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos} | self.extra_body
         try:
             async with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -153,6 +160,7 @@ class Target:
                         rec.chunk_times.append(time.perf_counter())
                     if chunk.get("usage"):
                         rec.output_tokens = chunk["usage"]["completion_tokens"]
+                        rec.prompt_tokens = chunk["usage"].get("prompt_tokens")
         except httpx.HTTPError as e:
             rec.error = repr(e)
         return rec
@@ -165,19 +173,23 @@ def all_replicas_at(status: dict, num_steps: int) -> bool:
 
 
 class Poller:
-    """Samples ``GET /v1/speculation`` in the background: (perf_counter, num_steps, load, version)."""
+    """Samples ``GET /v1/speculation`` in the background: (perf_counter, num_steps, load, version).
+    ``every_s=None``: never (a server without the operator API); its summaries are empty."""
 
-    def __init__(self, target: Target, every_s: float = 0.25):
+    def __init__(self, target: Target, every_s: float | None = 0.25):
         self.target, self.every_s = target, every_s
         self.samples: list[tuple[float, int, float, int]] = []
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> Poller:
-        await self._sample()  # so that version_at(now) is known from the start
-        self._task = asyncio.create_task(self._run())
+        if self.every_s is not None:
+            await self._sample()  # so that version_at(now) is known from the start
+            self._task = asyncio.create_task(self._run())
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if self._task is None:
+            return
         self._task.cancel()
         try:
             await self._task

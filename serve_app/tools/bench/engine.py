@@ -7,13 +7,21 @@ turn (or ``max_tokens``); greedy output does not depend on num_steps, so every p
 prompt set produces the same tokens. ``--ignore-eos`` makes every request run to max_tokens. Points at one concurrency run back to back
 for every num_steps, so the ratios between them see the same machine load.
 
-The same run times Hugging Face transformers on the same weights and rendered prompts
-(``hf_baseline``). Each pair is measured interleaved, chunk by chunk (one prompt at batch 1,
-16 prompts at batch 16): the engine's chunk, then transformers' same chunk, so noise from
-other work on the machine lands on both sides alike.
+Two baselines (``--baseline``): Hugging Face transformers on the same weights and rendered
+prompts (``hf_baseline``, the default), and llama.cpp's ``llama-server`` on the same GGUF
+file (``llamacpp_baseline``; see llamacpp.py). transformers pairs are measured interleaved,
+chunk by chunk (one prompt at batch 1, 16 prompts at batch 16): the engine's chunk, then
+transformers' same chunk, so noise from other work on the machine lands on both sides alike.
+llama.cpp takes its place in the grid instead: at each concurrency, after the engine's
+num_steps, the same closed loop over HTTP (the project's streaming client, greedy, the same
+prompts as chat messages: llama-server renders them with the GGUF's template, and its prompt
+token counts are checked against the engine's) with as many slots as clients and no prompt
+cache (the engine has none). ``--rounds N`` splits every concurrency's requests into N rounds
+in mirrored order (k=0, k=3, llama.cpp, llama.cpp, k=3, k=0, ...) so that drift lands on
+every side alike. ``llama-bench`` (token generation alone, 1 and all threads) runs at the end.
 
-One file past 300 lines: the engine's run and the transformers pair run share its prompts,
-chunks and rows.
+One file past 300 lines: the engine's run and its baselines share its prompts, chunks and
+rows.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ import platform
 import re
 import sys
 import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from tqdm import tqdm
@@ -33,12 +45,16 @@ from tqdm import tqdm
 from serve_app.engines.base import GenerateRequest, SamplingParams
 from serve_app.engines.embedded.weights import DEFAULT_MODEL, TINY_MODEL
 
+from . import llamacpp
+from .client import Target
 from .prompts import PROMPT_SETS, chat_messages
 from .stats import RequestTiming, acceptance, crossover, emit, summarize
 
 HELP = "throughput and latency of the embedded engine per num_steps and concurrency"
 HF_BATCH = 16  # the static batch of the batched transformers baseline
 HF_PLD_TOKENS = 5  # prompt_lookup_num_tokens of the transformers lookup baseline
+BASELINES = ("hf", "llamacpp")
+LLAMACPP = "llamacpp"  # the llama.cpp side of a grid cell, next to the engine's num_steps
 
 
 def _int_list(text: str) -> list[int]:
@@ -59,6 +75,15 @@ def _prompt_sets(text: str) -> list[str]:
     return names
 
 
+def _baselines(text: str) -> list[str]:
+    names = {"both": list(BASELINES), "none": []}.get(text.strip())
+    if names is None:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names or any(n not in BASELINES for n in names):
+            raise argparse.ArgumentTypeError(f"baselines are hf, llamacpp, both or none; got {text!r}")
+    return list(dict.fromkeys(names))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"engine model (default {DEFAULT_MODEL})")
     p.add_argument("--prompt-set", type=_prompt_sets, default=list(PROMPT_SETS),
@@ -72,7 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=["ngram", "eagle"], default="ngram", help="the engine's drafter (default ngram)")
     p.add_argument("--draft-head", default=None, help="with --drafter eagle: a head's .safetensors (default: the shipped one)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for engine and HF (default torch's)")
-    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baseline")
+    p.add_argument("--baseline", type=_baselines, default=["hf"],
+                   help="what the engine is measured against: hf (transformers on the same weights), llamacpp "
+                        "(llama-server on the same GGUF, built once if absent), both, or none (default hf)")
+    p.add_argument("--no-hf", action="store_true", help="leave transformers out of --baseline")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="split each concurrency's requests into this many rounds in mirrored order (default 1)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate exactly max_tokens per request (the model's continuation past its end of turn)")
     p.add_argument("--hf-max-tokens", type=int, default=None, help="output tokens in the HF pairs (default --max-tokens)")
@@ -89,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
         sys.exit("--requests-per-point must be at least the largest concurrency")
     if 0 in args.concurrency:
         sys.exit("concurrency must be positive")
+    if args.rounds < 1:
+        sys.exit("--rounds must be at least 1")
+    args.baseline = [b for b in args.baseline if not (b == "hf" and args.no_hf)]
+    if LLAMACPP in args.baseline and args.model != DEFAULT_MODEL:
+        sys.exit(f"the llama.cpp baseline runs the GGUF of {DEFAULT_MODEL}; --model {args.model} has none")
     result = asyncio.run(benchmark(args))
     return emit(result, format_report(result), args.out)
 
@@ -114,27 +149,49 @@ async def timed_request(engine, prompt: str, max_tokens: int) -> RequestTiming:
     return RequestTiming(tokens, first if first is not None else float("nan"), last if last is not None else float("nan"))
 
 
-async def run_point(engine, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int,
-                    progress: tqdm | None = None) -> dict:
-    """Closed loop: ``concurrency`` clients share requests 0..n-1 (prompt i mod len)."""
-    todo = iter(range(num_requests))
-    timings: list[RequestTiming] = []
+@dataclass(slots=True)
+class Tally:
+    """What a point's chunks add up to: request timings, wall time, draft counters."""
+
+    timings: list[RequestTiming] = field(default_factory=list)
+    wall_s: float = 0.0
+    drafts: Counter = field(default_factory=Counter)
+
+    def row(self) -> dict:
+        return summarize(self.timings, self.wall_s) | acceptance(Counter(), self.drafts)
+
+
+async def closed_loop(send: Callable[[int], Awaitable[RequestTiming]], concurrency: int, indices: range,
+                      progress: tqdm | None, tally: Tally) -> Tally:
+    """``concurrency`` clients share requests ``indices``: a client sends the next as soon as
+    its last one ends."""
+    todo = iter(indices)
 
     async def client() -> None:
-        for i in todo:  # shared: a client takes the next request when its last one ends
-            timings.append(await timed_request(engine, prompts[i % len(prompts)], max_tokens))
+        for i in todo:
+            tally.timings.append(await send(i))
             if progress is not None:
                 progress.update(1)
 
-    before = dict(engine.core.totals)
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
+    tally.wall_s += time.perf_counter() - t0
+    return tally
+
+
+async def run_point(engine, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int,
+                    progress: tqdm | None = None, tally: Tally | None = None, first: int = 0) -> Tally:
+    """Requests first..first+n-1 (prompt i mod len) in a closed loop, added to ``tally``."""
+    tally = tally if tally is not None else Tally()
+    before = dict(engine.core.totals)
+    await closed_loop(lambda i: timed_request(engine, prompts[i % len(prompts)], max_tokens), concurrency,
+                      range(first, first + num_requests), progress, tally)
     # The final delta is emitted before its step adds to the draft counters; the step is
     # done once the scheduler has dropped its finished sequences.
     while engine.core.has_work():
         await asyncio.sleep(0.001)
-    return summarize(timings, wall) | acceptance(before, dict(engine.core.totals))
+    tally.drafts.update({k: engine.core.totals[k] - before[k] for k in ("proposed", "accepted", "verifies")})
+    return tally
 
 
 # -- the transformers baseline ----------------------------------------------------------
@@ -203,7 +260,8 @@ async def measure_pair(engine, hf: HFBaseline, prompts: list[str], batch: int, n
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         point = await run_point(engine, chunk, len(chunk), len(chunk), max_tokens)
-        engine_tokens, engine_s = engine_tokens + point["output_tokens"], engine_s + point["wall_s"]
+        engine_tokens += sum(t.output_tokens for t in point.timings)
+        engine_s += point.wall_s
         tokens, seconds = hf.generate(chunk, max_tokens, prompt_lookup)
         hf_tokens, hf_s = hf_tokens + tokens, hf_s + seconds
         progress.update(2 * len(chunk))
@@ -228,13 +286,87 @@ async def hf_pairs(engine, rendered: dict[str, list[str]], args, progress: tqdm)
     return {"plain_batch1": plain, "pld_batch1": pld, "batch16": batched}
 
 
+# -- the llama.cpp baseline --------------------------------------------------------------
+class LlamaCppSide:
+    """llama-server on the engine's GGUF, driven over HTTP like the serving benchmarks drive
+    specserve."""
+
+    def __init__(self, args, threads: int, tokenize: Callable[[str], list[int]], rendered: dict[str, list[str]]):
+        from serve_app.engines.embedded.weights import smollm2_gguf_path
+
+        self.binaries = llamacpp.ensure_binaries()
+        self.gguf = smollm2_gguf_path()
+        self.threads, self.slots = threads, max(args.concurrency)
+        self.prompt_tokens = {name: [len(tokenize(r)) for r in rendered[name]] for name in args.prompt_set}
+        self.ctx_per_slot = llamacpp.slot_context(max(max(n) for n in self.prompt_tokens.values()), args.max_tokens)
+        self.target: Target | None = None
+        self.token_check: dict = {}
+
+    def server(self):
+        return llamacpp.llama_server(self.binaries, self.gguf, self.threads, self.slots, self.ctx_per_slot)
+
+    async def start(self, url: str) -> None:
+        self.target = Target(url, None)
+        self.target.extra_body = {"cache_prompt": False}  # every request prefills its whole prompt, as in the engine
+        await self.target.start()
+        for name, counts in self.prompt_tokens.items():
+            self.token_check[name] = await self._check_prompt_tokens(PROMPT_SETS[name], counts)
+
+    async def _check_prompt_tokens(self, prompts: list[str], engine_counts: list[int]) -> dict:
+        """llama-server renders the chat template itself: the two sides prefill the same prompts
+        only if its prompt token counts match the engine's. (Also its warm-up.)"""
+        counts = [(await self.target.chat(i, chat_messages(p), 1, True)).prompt_tokens for i, p in enumerate(prompts)]
+        mismatched = [i for i, (a, b) in enumerate(zip(counts, engine_counts, strict=True)) if a != b]
+        if mismatched:
+            print(f"warning: llama-server's prompt token counts differ from the engine's on prompts {mismatched}",
+                  file=sys.stderr)
+        return {"prompts": len(counts), "mismatched": mismatched, "engine_prompt_tokens": sum(engine_counts),
+                "llamacpp_prompt_tokens": sum(c or 0 for c in counts)}
+
+    async def run_point(self, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int,
+                        progress: tqdm, tally: Tally, first: int) -> Tally:
+        async def send(i: int) -> RequestTiming:
+            rec = await self.target.chat(i, chat_messages(prompts[i % len(prompts)]), max_tokens, IGNORE_EOS)
+            if not rec.ok:
+                raise RuntimeError(f"llama-server request {i}: {rec.error or 'no output'}")
+            return rec.timing
+
+        return await closed_loop(send, concurrency, range(first, first + num_requests), progress, tally)
+
+    def result(self, rows: list[dict], engine_rows: list[dict], max_tokens: int) -> dict:
+        return {"version": self.binaries.version(), "binaries": self.binaries.found_in,
+                "server": str(self.binaries.server), "gguf": self.gguf.name, "threads": self.threads,
+                "slots": self.slots, "ctx_per_slot": self.ctx_per_slot, "cache_prompt": False,
+                "prompt_token_check": self.token_check, "rows": rows, "ratios": llamacpp_ratios(engine_rows, rows),
+                "llama_bench": llamacpp.llama_bench(self.binaries, self.gguf, sorted({1, self.threads}), max_tokens)}
+
+
+def llamacpp_ratios(engine_rows: list[dict], llama_rows: list[dict]) -> list[dict]:
+    """Per prompt set, concurrency and num_steps: the engine's figures over llama.cpp's."""
+    llama = {(r["prompt_set"], r["concurrency"]): r for r in llama_rows}
+
+    def ratio(a, b):
+        return round(a / b, 4) if a is not None and b else None
+
+    return [{"prompt_set": r["prompt_set"], "concurrency": r["concurrency"], "num_steps": r["num_steps"]}
+            | {f"engine_over_llamacpp_{k}": ratio(r[k], base[k])
+               for k in ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")}
+            for r in engine_rows if (base := llama.get((r["prompt_set"], r["concurrency"])))]
+
+
 # -- the run ----------------------------------------------------------------------------
 def _requests(args, concurrency: int) -> int:
-    return args.requests_per_point or max(2 * concurrency, 8)
+    """Requests per round of a point (default: max(2 x concurrency, 8) over all rounds)."""
+    return max(concurrency, -(-(args.requests_per_point or max(2 * concurrency, 8)) // args.rounds))
+
+
+def mirrored(sides: list, rounds: int) -> list[tuple[int, object]]:
+    """(round, side) in run order: every round after the first reverses the one before."""
+    return [(r, side) for r in range(rounds) for side in (sides if r % 2 == 0 else sides[::-1])]
 
 
 async def benchmark(args) -> dict:
-    """Run the grid (and the HF pairs) and return the JSON-ready result."""
+    """Run the grid (with llama.cpp in it, and the HF pairs) and return the JSON-ready result."""
     import torch
 
     from serve_app.engines.embedded import EmbeddedEngine, EmbeddedOptions
@@ -242,6 +374,8 @@ async def benchmark(args) -> dict:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     threads = torch.get_num_threads()  # engine and HF share this process's thread pool
+    if LLAMACPP in args.baseline:
+        llamacpp.ensure_binaries()  # before the engine loads: a build takes minutes, a failure none
     engine = EmbeddedEngine(EmbeddedOptions(model=args.model, num_threads=threads, drafter=args.drafter, draft_head=args.draft_head,
                                             max_num_seqs=max(32, HF_BATCH, *args.concurrency),
                                             max_num_steps=max(8, *args.num_steps)))
@@ -249,29 +383,50 @@ async def benchmark(args) -> dict:
     # Every set the pairs need is rendered even when the grid skips it.
     rendered = {name: [engine.apply_chat_template(chat_messages(p)) for p in prompts]
                 for name, prompts in PROMPT_SETS.items()}
-    grid_requests = sum(_requests(args, c) for c in args.concurrency) * len(args.num_steps) * len(args.prompt_set)
-    hf_requests = 0 if args.no_hf else 2 * (2 * args.hf_prompts + HF_BATCH)
+    llama = LlamaCppSide(args, threads, engine.tokenize, rendered) if LLAMACPP in args.baseline else None
+    sides = [*args.num_steps, *([LLAMACPP] if llama else [])]
+    per_cell = sum(_requests(args, c) for c in args.concurrency) * args.rounds * len(sides)
+    hf_requests = 2 * (2 * args.hf_prompts + HF_BATCH) if "hf" in args.baseline else 0
     rows: list[dict] = []
+    llama_rows: list[dict] = []
+    baseline = llama_result = None
     try:
-        with tqdm(total=grid_requests + hf_requests, desc="bench engine", unit="req", file=sys.stderr) as progress:
+        with ExitStack() as stack, tqdm(total=per_cell * len(args.prompt_set) + hf_requests, desc="bench engine",
+                                        unit="req", file=sys.stderr) as progress:
+            if llama:
+                await llama.start(stack.enter_context(llama.server()))
             for k in args.num_steps:
                 await engine.set_num_steps(k)
                 await run_point(engine, rendered[args.prompt_set[0]], args.warmup, args.warmup, min(16, args.max_tokens))
             for prompt_set in args.prompt_set:
                 for c in args.concurrency:
-                    for k in args.num_steps:  # innermost: the ratios between num_steps are side by side
-                        progress.set_postfix_str(f"{prompt_set} c={c} k={k}")
-                        await engine.set_num_steps(k)
-                        point = await run_point(engine, rendered[prompt_set], c, _requests(args, c),
-                                                args.max_tokens, progress)
-                        rows.append({"prompt_set": prompt_set, "num_steps": k, "concurrency": c} | point)
-            baseline = None
-            if not args.no_hf:
+                    n = _requests(args, c)
+                    tallies = {side: Tally() for side in sides}
+                    for r, side in mirrored(sides, args.rounds):  # innermost: the ratios are side by side
+                        progress.set_postfix_str(f"{prompt_set} c={c} {'llama.cpp' if side == LLAMACPP else f'k={side}'}")
+                        if side == LLAMACPP:
+                            await llama.run_point(PROMPT_SETS[prompt_set], c, n, args.max_tokens, progress,
+                                                  tallies[side], r * n)
+                        else:
+                            await engine.set_num_steps(side)
+                            await run_point(engine, rendered[prompt_set], c, n, args.max_tokens, progress,
+                                            tallies[side], r * n)
+                    rows += [{"prompt_set": prompt_set, "num_steps": k, "concurrency": c} | tallies[k].row()
+                             for k in args.num_steps]
+                    if llama:
+                        llama_rows.append({"prompt_set": prompt_set, "concurrency": c}
+                                          | summarize(tallies[LLAMACPP].timings, tallies[LLAMACPP].wall_s))
+            if "hf" in args.baseline:
                 progress.set_postfix_str("hf baseline")
                 baseline = await hf_pairs(engine, rendered, args, progress)
+            if llama:
+                await llama.target.aclose()
     finally:
         await engine.shutdown()
-    return {"meta": _meta(args, threads), "rows": rows, "hf_baseline": baseline, "crossover": crossover(rows)}
+    if llama:  # after the server is gone: llama-bench wants the cores
+        llama_result = llama.result(llama_rows, rows, args.max_tokens)
+    return {"meta": _meta(args, threads), "rows": rows, "hf_baseline": baseline, "llamacpp_baseline": llama_result,
+            "crossover": crossover(rows)}
 
 
 def _meta(args, threads: int) -> dict:
@@ -287,8 +442,11 @@ def _meta(args, threads: int) -> dict:
         "draft_head": args.draft_head,
         "max_tokens": args.max_tokens,
         "ignore_eos": args.ignore_eos,
-        "hf_max_tokens": None if args.no_hf else (args.hf_max_tokens or args.max_tokens),
+        "baselines": args.baseline,
+        "rounds": args.rounds,
+        "hf_max_tokens": (args.hf_max_tokens or args.max_tokens) if "hf" in args.baseline else None,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],  # other work on the machine, if any
         "command": " ".join(["python -m serve_app.tools.bench", *sys.argv[1:]]),
     }
 
@@ -334,4 +492,33 @@ def format_report(result: dict) -> str:
         for name, pair, hf_key, engine_key in pairs:
             lines.append(f"{name:<48} {pair[hf_key]:>9.1f} {pair[engine_key]:>12.1f} "
                          f"{pair[engine_key] / pair[hf_key]:>9.2f}")
+    if result.get("llamacpp_baseline"):
+        lines += ["", *format_llamacpp(result)]
     return "\n".join(lines)
+
+
+def format_llamacpp(result: dict) -> list[str]:
+    lc = result["llamacpp_baseline"]
+    lines = [f"[llamacpp_baseline]  llama-server {lc['version']} on {lc['gguf']}, {lc['threads']} threads, "
+             f"{lc['slots']} slots x {lc['ctx_per_slot']} tokens, no prompt cache, over HTTP; latencies in ms; "
+             "'vs llama.cpp' = engine tokens/s over llama.cpp's",
+             f"{'set':>5} {'conc':>4} {'side':>10} {'tok/s':>8} {'vs llama.cpp':>12} {'ttft p50':>9} {'ttft p99':>9} "
+             f"{'tpot p50':>9} {'tpot p99':>9}"]
+    ratios = {(x["prompt_set"], x["concurrency"], x["num_steps"]): x["engine_over_llamacpp_output_tokens_per_s"]
+              for x in lc["ratios"]}
+    for base in lc["rows"]:
+        cell = (base["prompt_set"], base["concurrency"])
+        engine_rows = [r for r in result["rows"] if (r["prompt_set"], r["concurrency"]) == cell]
+        for name, r in [("llama.cpp", base), *((f"k={r['num_steps']}", r) for r in engine_rows)]:
+            ratio = ratios.get((*cell, r["num_steps"])) if name != "llama.cpp" else None
+            lines.append(f"{cell[0]:>5} {cell[1]:>4} {name:>10} {_f(r['output_tokens_per_s'], '8.1f')} "
+                         f"{_f(ratio, '12.2f')} {_f(r['ttft_p50_ms'], '9.1f')} {_f(r['ttft_p99_ms'], '9.1f')} "
+                         f"{_f(r['tpot_p50_ms'], '9.1f')} {_f(r['tpot_p99_ms'], '9.1f')}")
+    bench = ", ".join(f"{b['threads']} thread{'s' if b['threads'] > 1 else ''} {b['tokens_per_s']:.1f} tok/s"
+                      for b in lc["llama_bench"])
+    lines.append(f"llama-bench tg{lc['llama_bench'][0]['n_gen'] if lc['llama_bench'] else '?'} (batch 1, no prompt): {bench}")
+    for name, check in lc["prompt_token_check"].items():
+        lines.append(f"prompt tokens [{name}]: llama-server {check['llamacpp_prompt_tokens']}, engine "
+                     f"{check['engine_prompt_tokens']} over {check['prompts']} prompts; mismatched: "
+                     f"{check['mismatched'] or 'none'}")
+    return lines

@@ -24,6 +24,12 @@ With ``--repeats N`` each policy runs N such windows per concurrency, in mirrore
 (spec, off, dynamic, dynamic, off, spec, ...), so that a drift of the shared machine over a
 point weighs on every policy alike; a row pools its windows (tokens over the summed measured
 time, percentiles over all their requests) and lists each window's tokens/s.
+
+``--target llamacpp`` measures llama.cpp's ``llama-server`` instead, on the same GGUF (see
+llamacpp.py; built once if absent) with ``--threads``, one slot per client at the largest
+concurrency and no prompt cache (specserve has none), through the same client and windows.
+A server without specserve's operator API (llama-server, or any OpenAI-compatible ``--url``)
+has no policy to set: it gets one row per concurrency, policy ``none``, as it runs.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import argparse
 import asyncio
 import itertools
 import math
+import os
 import platform
 import sys
 import time
@@ -40,9 +47,11 @@ from datetime import UTC, datetime
 
 from tqdm import tqdm
 
+from . import llamacpp
 from .client import POLICIES, Poller, Target, add_target_arguments, prompt_messages, run_against_target
 from .engine import _f as f
 from .engine import _int_list
+from .prompts import PROMPT_SETS
 from .stats import RequestTiming, emit, summarize
 
 HELP = "spec vs off vs dynamic over a concurrency sweep, through the HTTP serving stack"
@@ -66,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stagger-s", type=float, default=0.0,
                    help="spread the clients' first requests evenly over this many seconds (default 0: all at once)")
     p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: the ladder's top tier)")
+    p.add_argument("--target", choices=["specserve", "llamacpp"], default="specserve",
+                   help="llamacpp: start llama.cpp's llama-server on the same GGUF instead of --config (default specserve)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="with --target llamacpp: llama-server's threads (default: all cores)")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
 
 
@@ -76,8 +89,42 @@ def run(args: argparse.Namespace) -> int:
         sys.exit("--repeats must be at least 1")
     if args.stagger_s < 0:
         sys.exit("--stagger-s must be >= 0")
-    result = run_against_target(args, lambda target: sweep(target, args))
+    if args.target == "llamacpp":
+        if args.url or args.overrides:
+            sys.exit("--target llamacpp starts its own llama-server: for a running one give --url alone")
+        result = run_llamacpp(args)
+    else:
+        result = run_against_target(args, lambda target: sweep(target, args))
     return emit(result, format_table(result), args.out)
+
+
+def run_llamacpp(args: argparse.Namespace) -> dict:
+    """The sweep against a llama-server of our own on the engine's GGUF."""
+    from serve_app.engines.embedded.weights import smollm2_gguf_path
+
+    for name in args.prompt_set.split(","):
+        if name not in PROMPT_SETS:
+            raise SystemExit(f"prompt sets are {', '.join(PROMPT_SETS)}; got {name!r}")
+    binaries = llamacpp.ensure_binaries()
+    threads, slots = args.threads or os.cpu_count(), max(args.concurrency)
+    ctx = llamacpp.slot_context(llamacpp.longest_prompt_tokens(prompt_messages(args.prompt_set.split(","))),
+                                args.max_tokens)
+    server = {"llama_cpp": binaries.version(), "binaries": binaries.found_in, "threads": threads, "slots": slots,
+              "ctx_per_slot": ctx, "cache_prompt": False}
+
+    async def main(url: str) -> dict:
+        target = Target(url, None)
+        target.extra_body = {"cache_prompt": False}
+        try:
+            await target.start()
+            result = await sweep(target, args)
+        finally:
+            await target.aclose()
+        result["meta"]["server"] = server
+        return result
+
+    with llamacpp.llama_server(binaries, smollm2_gguf_path(), threads, slots, ctx) as url:
+        return asyncio.run(main(url))
 
 
 # -- one point ---------------------------------------------------------------------------
@@ -185,34 +232,38 @@ def window_order(policies: list[str], repeats: int) -> list[str]:
 
 
 async def sweep(target: Target, args: argparse.Namespace) -> dict:
-    spec_steps, status = await spec_steps_of(target, args.spec_steps)
+    status = await target.status_or_none()
+    if status is None:  # no operator API: one policy, the server's own
+        policies, spec_steps = ["none"], None
+    else:
+        policies, (spec_steps, status) = args.policies, await spec_steps_of(target, args.spec_steps)
     prompts = prompt_messages(args.prompt_set.split(","))
     rows: list[dict] = []
-    order = window_order(args.policies, args.repeats)
-    async with Poller(target) as poller:
+    order = window_order(policies, args.repeats)
+    async with Poller(target, every_s=0.25 if status else None) as poller:
         # One-off costs (first forward, tokenizer) before any point.
         await asyncio.gather(*(target.chat(i, prompts[i], 8, True) for i in range(2)))
         with tqdm(total=len(args.concurrency) * len(order), desc="bench serve", unit="window",
                   file=sys.stderr) as bar:
             for c in args.concurrency:
-                windows: dict[str, list[Window]] = {p: [] for p in args.policies}
+                windows: dict[str, list[Window]] = {p: [] for p in policies}
                 for policy in order:  # innermost: the ratios at one concurrency are side by side
                     bar.set_postfix_str(f"c={c} {policy}")
-                    await target.apply_policy(policy, spec_steps)
+                    if status:
+                        await target.apply_policy(policy, spec_steps)
                     windows[policy].append(await measure_window(target, poller, prompts, c, args.settle_s,
                                                                 args.measure_s, args.max_tokens, args.ignore_eos,
                                                                 args.stagger_s))
                     bar.update(1)
-                rows += [{"policy": p, "concurrency": c} | point_row(windows[p]) for p in args.policies]
-        await target.put_mode(None)
+                rows += [{"policy": p, "concurrency": c} | point_row(windows[p]) for p in policies]
+        if status:
+            await target.put_mode(None)
     windows_meta = {"repeats": args.repeats, "settle_s": args.settle_s, "measure_s": args.measure_s,
                     "stagger_s": args.stagger_s}
     return {"meta": meta(args, target, status, spec_steps) | windows_meta, "rows": rows, "ratios": ratios(rows)}
 
 
-def meta(args: argparse.Namespace, target: Target, status: dict, spec_steps: int) -> dict:
-    import os
-
+def meta(args: argparse.Namespace, target: Target, status: dict | None, spec_steps: int | None) -> dict:
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python -m serve_app.tools.bench", *sys.argv[1:]]),
@@ -220,8 +271,8 @@ def meta(args: argparse.Namespace, target: Target, status: dict, spec_steps: int
         "overrides": args.overrides,
         "url": args.url,
         "model": target.model,
-        "replicas": len(status["replicas"]),
-        "policy": status["policy"],
+        "replicas": len(status["replicas"]) if status else None,
+        "policy": status["policy"] if status else None,
         "spec_steps": spec_steps,
         "prompt_set": args.prompt_set,
         "max_tokens": args.max_tokens,
@@ -247,8 +298,10 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def format_table(result: dict) -> str:
     m = result["meta"]
-    lines = [f"model {m['model']}, {m['replicas']} replicas, spec = {m['spec_steps']} steps, prompts {m['prompt_set']}, "
-             f"max_tokens {m['max_tokens']}; latencies in ms",
+    server = (f"{m['replicas']} replicas, spec = {m['spec_steps']} steps" if m["replicas"] is not None
+              else (f"llama-server {s['llama_cpp']}, {s['threads']} threads, {s['slots']} slots"
+                    if (s := m.get("server")) else "no operator API"))
+    lines = [f"model {m['model']}, {server}, prompts {m['prompt_set']}, max_tokens {m['max_tokens']}; latencies in ms",
              f"{'conc':>4} {'policy':>8} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} "
              f"{'tpot p99':>9} {'load':>5} {'switch':>6}  modes"]
     for r in result["rows"]:
