@@ -292,8 +292,10 @@ class OpenAIIngress:
         """One-shot generation through a handle: ``await handle.generate.remote("Hello", max_tokens=32)``.
 
         Give ``prompt`` (text), ``prompt_token_ids`` or chat ``messages``; ``sampling`` takes the
-        fields of :class:`SamplingParams` (max_tokens, temperature, top_p, stop, seed, ignore_eos).
-        Returns ``{"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "num_steps"}``.
+        fields of :class:`SamplingParams` (max_tokens, temperature, top_p, stop, seed, ignore_eos,
+        stop_token_ids, min_tokens, the penalties, logit_bias, logprobs, prompt_logprobs, echo).
+        Returns ``{"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "num_steps",
+        "logprobs", "prompt_text", "prompt_logprobs"}`` (the last three None unless asked for).
         Raises InvalidRequestError / EngineOverloadedError; a replica lost on the way is replaced
         (``Limits.retries`` times), after which ReplicasUnavailableError.
         """
