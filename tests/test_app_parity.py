@@ -20,6 +20,8 @@ CASES = {
                                               "extra_body": {"repetition_penalty": 1.2}}),
     "completions-logit-bias": ("completions", {"prompt": PROMPT, "logit_bias": {"1001": 8, "1003": 5}}),
     "chat-logprobs": ("chat", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 3}),
+    "completions-own-draft-cap": ("completions", {"prompt": PROMPT, "logprobs": 1,
+                                                  "extra_body": {"speculation": {"max_steps": 1}}}),
     "chat-penalties-logprobs": ("chat", {"messages": MESSAGES, "frequency_penalty": 1.0, "logprobs": True,
                                          "logit_bias": {"1010": 4}}),
 }

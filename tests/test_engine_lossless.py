@@ -97,6 +97,33 @@ def test_min_tokens_bans_stops_at_the_same_positions_with_and_without_speculatio
         assert again == reference
 
 
+def test_per_request_draft_caps_cap_the_drafts_and_change_no_greedy_output(tiny):
+    reference = run_greedy(tiny, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False)
+    totals = tiny.core.totals
+    before = dict(totals)
+    assert run_greedy(tiny, TINY_PROMPTS, lambda s: 5, max_tokens=40, spec_max_steps=2) == reference
+    proposed, verifies = totals["proposed"] - before["proposed"], totals["verifies"] - before["verifies"]
+    assert 0 < proposed <= 2 * verifies  # every verify held at most 2 drafts
+    before = dict(totals)
+    assert run_greedy(tiny, TINY_PROMPTS, lambda s: 5, max_tokens=40, spec_max_steps=0) == reference
+    assert totals["proposed"] == before["proposed"]  # "off" drafts nothing
+    caps = [{"spec_max_steps": (None, 0, 1, 3)[i % 4]} for i in range(len(TINY_PROMPTS))]
+    assert run_greedy(tiny, TINY_PROMPTS, random_schedule(5), max_tokens=40, per_prompt=caps) == reference
+
+
+def test_long_prompts_are_capped_by_the_engine_option():
+    engine = sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
+                         long_prompt_tokens=60, long_prompt_max_steps=0)
+    reference = run_greedy(engine, TINY_PROMPTS, lambda s: 0, max_tokens=24, together=False)
+    lengths = [len(engine.tokenize(p)) for p in TINY_PROMPTS]
+    assert min(lengths) <= 60 < max(lengths)
+    assert run_greedy(engine, TINY_PROMPTS, lambda s: 4, max_tokens=24) == reference
+    before = engine.core.totals["proposed"]
+    long_only = [p for p, n in zip(TINY_PROMPTS, lengths, strict=True) if n > 60]
+    run_greedy(engine, long_only, lambda s: 4, max_tokens=24)
+    assert engine.core.totals["proposed"] == before  # none of them drafted
+
+
 @pytest.mark.real_model
 def test_real_model_greedy_output_is_identical_for_every_num_steps_alone_and_batched():
     engine = sync_engine(max_num_seqs=24, max_model_len=1024)

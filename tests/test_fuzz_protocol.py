@@ -28,7 +28,7 @@ JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dict
                     max_leaves=8)
 FIELDS = ["model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs",
           "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "stop_token_ids", "min_tokens",
-          "repetition_penalty"]
+          "repetition_penalty", "speculation"]
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "robot"]) | JSON, "content": JSON})
 
 
@@ -57,6 +57,7 @@ def check(model, body: dict) -> None:
     assert all(isinstance(t, int) and t >= 0 and -100 <= v <= 100 for t, v in params.logit_bias.items())
     assert params.logprobs is None or 0 <= params.logprobs <= 20
     assert params.prompt_logprobs is None or params.prompt_logprobs == params.logprobs
+    assert params.spec_max_steps is None or 0 <= params.spec_max_steps <= 64
 
 
 SETTINGS = settings(max_examples=1500, deadline=None, database=None, derandomize=True,

@@ -229,10 +229,10 @@ def test_penalties_and_logit_bias_go_to_sglang_and_logprobs_are_refused_naming_t
     assert (sent["presence_penalty"], sent["frequency_penalty"], sent["repetition_penalty"]) == (0.5, -1.0, 1.2)
     assert sent["logit_bias"] == {"7": 2.5}  # SGLang's keys are strings, as OpenAI's
     assert deltas[0].prompt_text == "Hi" and deltas[1].prompt_text is None  # echo: the prompt once, first
-    for name in ("logprobs", "prompt_logprobs"):
+    for name in ("logprobs", "prompt_logprobs", "spec_max_steps"):
         with pytest.raises(InvalidRequestError) as err:
             eng.generate(GenerateRequest("r", prompt="hi", params=SamplingParams(**{name: 1})))
-        assert err.value.param == name
+        assert err.value.param == {"spec_max_steps": "speculation.max_steps"}.get(name, name)
 
 
 def test_a_seed_on_a_sampled_request_is_refused_unless_sglang_runs_deterministic(sglang, tmp_path):

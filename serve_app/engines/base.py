@@ -84,6 +84,9 @@ class SamplingParams:
     """As ``logprobs``, for the prompt's tokens (the first has none): on the request's first delta."""
     echo: bool = False
     """The request's first delta carries the prompt's text (``TokenDelta.prompt_text``)."""
+    spec_max_steps: int | None = None
+    """The most draft tokens this request may verify per step, below the engine's ``num_steps``
+    (None: no cap of its own; 0: plain decoding). Greedy output does not depend on it."""
 
     def with_defaults(self, temperature: float, top_p: float) -> SamplingParams:
         """These parameters with the engine's defaults where they are None."""
@@ -125,6 +128,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}", "repetition_penalty")
         self._validate_logit_bias()
+        k = self.spec_max_steps
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64):
+            raise InvalidRequestError(f"speculation.max_steps must be an integer in [0, 64], got {k!r}",
+                                      "speculation.max_steps")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):

@@ -62,6 +62,12 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class Speculation(_Lenient):
+    """The ``speculation`` extension: this request's own cap on draft tokens per step."""
+
+    max_steps: int | None = None
+
+
 class _Sampling(_Lenient):
     model: str | None = None
     max_tokens: int | None = None
@@ -82,6 +88,7 @@ class _Sampling(_Lenient):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
+    speculation: Speculation | None = None
 
     default_max_tokens: ClassVar[int] = 16
 
@@ -104,6 +111,7 @@ class _Sampling(_Lenient):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(),
             logprobs=self._logprobs(),
+            spec_max_steps=self.speculation.max_steps if self.speculation else None,
         )
         params.validate()
         return params

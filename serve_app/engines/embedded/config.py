@@ -26,6 +26,9 @@ class EmbeddedOptions(BaseModel):
     max_waiting: int = Field(256, ge=0, description="queued requests before new ones get 429")
     max_prefill_tokens: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
     max_num_steps: int = Field(8, ge=1, le=16, description="largest num_steps accepted")
+    long_prompt_tokens: int | None = Field(
+        None, ge=1, description="prompts longer than this verify at most long_prompt_max_steps drafts a step")
+    long_prompt_max_steps: int = Field(0, ge=0, description="the draft cap of long prompts (0: plain decoding)")
     ngram_max: int = Field(3, ge=1, description="longest suffix n-gram the lookup drafter matches")
     ngram_min: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"

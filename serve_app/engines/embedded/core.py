@@ -153,7 +153,8 @@ class EngineCore:
         drafts: list[list[int]] = [[] for _ in seqs]
         if num_steps > 0:
             # Never draft past what a request may still output.
-            limits = [min(num_steps, s.params.max_tokens - s.num_output_tokens - 1) for s in seqs]
+            limits = [min(num_steps, s.params.max_tokens - s.num_output_tokens - 1,
+                          num_steps if s.params.spec_max_steps is None else s.params.spec_max_steps) for s in seqs]
             proposed = self.drafter.propose([s.request_id for s in seqs], [s.token_ids for s in seqs], num_steps)
             drafts = [d[:max(lim, 0)] for d, lim in zip(proposed, limits, strict=True)]
         width = 1 + max(len(d) for d in drafts)

@@ -163,6 +163,10 @@ class EmbeddedEngine:
         if p.temperature > 0:
             gen = torch.Generator()
             gen.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        long = self.options.long_prompt_tokens
+        if long is not None and len(ids) > long:  # long contexts accept fewer drafts: cap them
+            cap = self.options.long_prompt_max_steps
+            p.spec_max_steps = cap if p.spec_max_steps is None else min(cap, p.spec_max_steps)
         seq = Sequence(request.request_id, ids, len(ids), p, gen, emit)
         if p.processes_logits:
             seq.logits_state = LogitsState(p, ids, self.vocab_size)

@@ -110,6 +110,10 @@ class SGLangEngine:
                 "with deterministic inference on (engine.sglang.extra_server_args.enable_deterministic_inference)",
                 "seed",
             )
+        if request.params.spec_max_steps is not None:
+            raise InvalidRequestError(
+                "speculation.max_steps is not served with the SGLang engine: SGLang verifies every request of a "
+                "batch with the same draft length", "speculation.max_steps")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(request.params, name) is not None:
                 raise InvalidRequestError(
