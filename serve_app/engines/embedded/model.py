@@ -14,38 +14,48 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
-from .linear import Linear
+from .linear import make_linear
+from .quant import Q4Blocks
 from .weights import LlamaShape
 
 
 class Llama:
     """Weights of a Llama-family model, fused for fewer kernel launches; the matrix products
-    go through ``Linear`` (on the CPU, oneDNN with weights reordered once)."""
+    are ``linear.py``'s in the format ``weights`` (float32: oneDNN with weights reordered
+    once). ``blocks`` are Q4_1 blocks as a GGUF shipped them, used by the ``q4_1`` format."""
 
-    def __init__(self, shape: LlamaShape, state: dict[str, torch.Tensor], device, dtype):
+    def __init__(self, shape: LlamaShape, state: dict[str, torch.Tensor], device, dtype,
+                 weights: str = "float32", blocks: dict[str, Q4Blocks] | None = None):
         self.shape = shape
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.weights = device, dtype, weights
+        blocks = blocks or {}
 
         def t(name):
             return state[name].to(device=device, dtype=dtype).contiguous()
 
+        def linear(names, bias=None):
+            weight = torch.cat([t(n) for n in names])
+            shipped = [blocks.get(n) for n in names]
+            return make_linear(weights, weight, bias, None if None in shipped else Q4Blocks.cat(shipped))
+
         self.embed = t("model.embed_tokens.weight")
-        self.lm_head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in state else t("lm_head.weight")
-        self.lm_head_linear = Linear(self.lm_head)
+        head = "model.embed_tokens.weight" if shape.tie_word_embeddings or "lm_head.weight" not in state \
+            else "lm_head.weight"
+        self.lm_head_linear = linear([head])
         self.norm = t("model.norm.weight")
         self.layers = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([t(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             bias = None
             if p + "self_attn.q_proj.bias" in state:  # Qwen2
                 bias = torch.cat([t(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             self.layers.append(dict(
-                ln1=t(p + "input_layernorm.weight"), qkv=Linear(qkv, bias),
-                o=Linear(t(p + "self_attn.o_proj.weight")),
+                ln1=t(p + "input_layernorm.weight"),
+                qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], bias),
+                o=linear([p + "self_attn.o_proj.weight"]),
                 ln2=t(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])),
-                down=Linear(t(p + "mlp.down_proj.weight")),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=linear([p + "mlp.down_proj.weight"]),
             ))
         inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim))
         freqs = torch.outer(torch.arange(shape.max_position_embeddings + 64, dtype=torch.float64), inv_freq)
