@@ -22,8 +22,11 @@ def random_schedule(seed: int, choices=(0, 1, 2, 3, 5), every=(1, 4)):
     return schedule
 
 
-# bfloat16 and int8 are left out for time (each format doubles this file's run); they pass
-# the per-kernel row-invariance tests of test_linear.py like q4_1 does.
+# Each format doubles this file's run. int8 is left out as it fails the batched case (prompt
+# 11 of TINY_PROMPTS, token 24 at num_steps 5): its products are row-invariant
+# (test_linear.py), but scaled_dot_product_attention is not (a row's output changes with the
+# number of query rows and the key length beside it), and int8's bfloat16 rounding of that
+# last-bit difference flips a close argmax. bfloat16 is left out for time.
 @pytest.fixture(scope="module", params=["float32", "q4_1"])
 def tiny(request):
     # A small prefill budget makes long prompts prefill in chunks while others decode.

@@ -59,6 +59,15 @@ def _prompt_sets(text: str) -> list[str]:
     return names
 
 
+def _weight_formats(text: str) -> list[str]:
+    from serve_app.engines.embedded.linear import WEIGHT_FORMATS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or set(names) - set(WEIGHT_FORMATS) or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"weight formats are {', '.join(WEIGHT_FORMATS)}; got {text!r}")
+    return names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"engine model (default {DEFAULT_MODEL})")
     p.add_argument("--prompt-set", type=_prompt_sets, default=list(PROMPT_SETS),
@@ -71,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per num_steps before the grid")
     p.add_argument("--drafter", choices=["ngram", "eagle"], default="ngram", help="the engine's drafter (default ngram)")
     p.add_argument("--draft-head", default=None, help="with --drafter eagle: a head's .safetensors (default: the shipped one)")
+    p.add_argument("--weights", type=_weight_formats, default=["float32"],
+                   help="comma list of weight formats, one engine each, measured side by side point by point; "
+                        "crossover and the HF pairs use the first (default float32)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for engine and HF (default torch's)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baseline")
     p.add_argument("--ignore-eos", action="store_true",
@@ -242,36 +254,46 @@ async def benchmark(args) -> dict:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     threads = torch.get_num_threads()  # engine and HF share this process's thread pool
-    engine = EmbeddedEngine(EmbeddedOptions(model=args.model, num_threads=threads, drafter=args.drafter, draft_head=args.draft_head,
-                                            max_num_seqs=max(32, HF_BATCH, *args.concurrency),
-                                            max_num_steps=max(8, *args.num_steps)))
-    await engine.start()
+    engines = {w: EmbeddedEngine(EmbeddedOptions(model=args.model, num_threads=threads, drafter=args.drafter,
+                                                 draft_head=args.draft_head, weights=w,
+                                                 max_num_seqs=max(32, HF_BATCH, *args.concurrency),
+                                                 max_num_steps=max(8, *args.num_steps)))
+               for w in args.weights}
+    for engine in engines.values():
+        await engine.start()
+    engine = engines[args.weights[0]]
     # Every set the pairs need is rendered even when the grid skips it.
     rendered = {name: [engine.apply_chat_template(chat_messages(p)) for p in prompts]
                 for name, prompts in PROMPT_SETS.items()}
-    grid_requests = sum(_requests(args, c) for c in args.concurrency) * len(args.num_steps) * len(args.prompt_set)
+    grid_requests = (sum(_requests(args, c) for c in args.concurrency) * len(args.num_steps) * len(args.prompt_set)
+                     * len(engines))
     hf_requests = 0 if args.no_hf else 2 * (2 * args.hf_prompts + HF_BATCH)
     rows: list[dict] = []
     try:
         with tqdm(total=grid_requests + hf_requests, desc="bench engine", unit="req", file=sys.stderr) as progress:
-            for k in args.num_steps:
-                await engine.set_num_steps(k)
-                await run_point(engine, rendered[args.prompt_set[0]], args.warmup, args.warmup, min(16, args.max_tokens))
+            for each in engines.values():
+                for k in args.num_steps:
+                    await each.set_num_steps(k)
+                    await run_point(each, rendered[args.prompt_set[0]], args.warmup, args.warmup, min(16, args.max_tokens))
             for prompt_set in args.prompt_set:
                 for c in args.concurrency:
-                    for k in args.num_steps:  # innermost: the ratios between num_steps are side by side
-                        progress.set_postfix_str(f"{prompt_set} c={c} k={k}")
-                        await engine.set_num_steps(k)
-                        point = await run_point(engine, rendered[prompt_set], c, _requests(args, c),
-                                                args.max_tokens, progress)
-                        rows.append({"prompt_set": prompt_set, "num_steps": k, "concurrency": c} | point)
+                    for k in args.num_steps:  # innermost: the ratios between num_steps and formats are side by side
+                        for w, each in engines.items():
+                            progress.set_postfix_str(f"{prompt_set} c={c} k={k} {w}")
+                            await each.set_num_steps(k)
+                            point = await run_point(each, rendered[prompt_set], c, _requests(args, c),
+                                                    args.max_tokens, progress)
+                            rows.append({"prompt_set": prompt_set, "num_steps": k, "concurrency": c, "weights": w}
+                                        | point)
             baseline = None
             if not args.no_hf:
                 progress.set_postfix_str("hf baseline")
                 baseline = await hf_pairs(engine, rendered, args, progress)
     finally:
-        await engine.shutdown()
-    return {"meta": _meta(args, threads), "rows": rows, "hf_baseline": baseline, "crossover": crossover(rows)}
+        for each in engines.values():
+            await each.shutdown()
+    first = [r for r in rows if r["weights"] == args.weights[0]]
+    return {"meta": _meta(args, threads), "rows": rows, "hf_baseline": baseline, "crossover": crossover(first)}
 
 
 def _meta(args, threads: int) -> dict:
@@ -284,6 +306,7 @@ def _meta(args, threads: int) -> dict:
         "threads": threads,
         "model": args.model,
         "drafter": args.drafter,
+        "weights": args.weights,
         "draft_head": args.draft_head,
         "max_tokens": args.max_tokens,
         "ignore_eos": args.ignore_eos,
@@ -304,11 +327,11 @@ def format_report(result: dict) -> str:
     lines = [f"model {m['model']}, max_tokens {m['max_tokens']}, {m['threads']} torch threads, torch {m['torch_version']}"]
     header = (f"{'steps':>5} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'vs k=0':>6} {'ttft p50':>9} {'ttft p99':>9} "
               f"{'tpot p50':>9} {'tpot p99':>9} {'accept':>6} {'acc len':>7}")
-    for prompt_set in dict.fromkeys(r["prompt_set"] for r in result["rows"]):
-        rows = [r for r in result["rows"] if r["prompt_set"] == prompt_set]
+    for prompt_set, w in dict.fromkeys((r["prompt_set"], r.get("weights", "float32")) for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["prompt_set"] == prompt_set and r.get("weights", "float32") == w]
         plain = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["num_steps"] == 0}
-        lines += ["", f"[{prompt_set}]  latencies in ms; 'vs k=0' = tokens/s over num_steps 0 at the same concurrency",
-                  header]
+        lines += ["", f"[{prompt_set}] {w} weights  latencies in ms; 'vs k=0' = tokens/s over num_steps 0 at the same "
+                  "concurrency", header]
         for r in sorted(rows, key=lambda r: (r["num_steps"], r["concurrency"])):
             base = plain.get(r["concurrency"])
             ratio = r["output_tokens_per_s"] / base if base else None
@@ -317,7 +340,7 @@ def format_report(result: dict) -> str:
                          f"{_f(r['ttft_p50_ms'], '9.1f')} {_f(r['ttft_p99_ms'], '9.1f')} "
                          f"{_f(r['tpot_p50_ms'], '9.1f')} {_f(r['tpot_p99_ms'], '9.1f')} "
                          f"{_f(r['accept_rate'], '6.2f')} {_f(r['mean_accepted_len'], '7.2f')}")
-        cross = result["crossover"].get(prompt_set)
+        cross = result["crossover"].get(prompt_set) if w == m.get("weights", ["float32"])[0] else None
         if cross:
             by_k = ", ".join(f"num_steps {k}: {_f(c, 'd') if c else 'none'}" for k, c in cross["by_num_steps"].items())
             best = cross["best"] if cross["best"] is not None else "none (speculation won everywhere)"
