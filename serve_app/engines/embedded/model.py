@@ -3,7 +3,7 @@
 One function serves prefill, plain decode and speculative verify: every call feeds ``q``
 tokens to each of ``B`` sequences (slot ``b`` of the cache holds sequence ``b``), writes
 their keys and values at positions ``lens[b] .. lens[b]+q-1`` and attends causally to
-everything before. Right-padded prefill works the same way: padding writes past a
+everything before, through ``attention.py``'s row-invariant attention. Right-padded prefill works the same way: padding writes past a
 sequence's length, which the mask hides and later steps overwrite. So does rollback of
 rejected draft tokens: a sequence's length simply does not advance over them.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attention import attend, padded_length
 from .kv_cache import KVCache
 from .linear import make_linear
 from .quant import Q4Blocks
@@ -80,8 +81,8 @@ class Llama:
         s = self.shape
         B, q = tokens.shape
         pos = lens[:, None] + torch.arange(q, device=tokens.device)  # [B, q]
-        L = int(lens.max()) + q
-        mask = (torch.arange(L, device=tokens.device)[None, None, :] <= pos[:, :, None]).unsqueeze(1)
+        L = padded_length(int(lens.max()) + q)
+        visible = torch.arange(L, device=tokens.device)[None, None, :] <= pos[:, :, None]  # [B, q, L]
         cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, q, 1, D]
         rows = torch.arange(slot0, slot0 + B, device=tokens.device)[:, None].expand(B, q)
         nq, nkv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
@@ -100,11 +101,8 @@ class Llama:
             k_cache, v_cache = cache.layer(i)  # [S, KV, T, D]
             k_cache[rows, :, pos] = xk
             v_cache[rows, :, pos] = xv
-            attn = F.scaled_dot_product_attention(
-                xq.transpose(1, 2), k_cache[slot0:slot0 + B, :, :L], v_cache[slot0:slot0 + B, :, :L],
-                attn_mask=mask, enable_gqa=True,
-            )
-            x = x + w["o"](attn.transpose(1, 2).reshape(B, q, nq))
+            attn = attend(xq, k_cache[slot0:slot0 + B, :, :L], v_cache[slot0:slot0 + B, :, :L], visible)
+            x = x + w["o"](attn)
             h = F.rms_norm(x, (s.hidden_size,), w["ln2"], s.rms_norm_eps)
             gate, up = w["gate_up"](h).chunk(2, dim=-1)
             x = x + w["down"](F.silu(gate) * up)
