@@ -44,6 +44,14 @@ def test_engine_bench_writes_one_row_per_prompt_set_num_steps_and_concurrency(tm
     assert "[copy]" in printed and "[chat]" in printed and "crossover" in printed
 
 
+def test_engine_bench_measures_each_weight_format_at_every_point(tmp_path):
+    result = run_bench(tmp_path, "--no-hf", "--prompt-set", "chat", "--weights", "float32,q4_1")
+
+    keys = [(r["weights"], r["num_steps"], r["concurrency"]) for r in result["rows"]]
+    assert sorted(keys) == sorted((w, k, c) for w in ("float32", "q4_1") for k in (0, 3) for c in (1, 2))
+    assert result["meta"]["weights"] == ["float32", "q4_1"] and set(result["crossover"]) == {"chat"}
+
+
 def test_engine_bench_pairs_the_engine_with_transformers_on_the_same_weights(tmp_path):
     result = run_bench(tmp_path, "--prompt-set", "chat", "--concurrency", "1", "--hf-prompts", "2")
 

@@ -24,6 +24,7 @@ from .drafters import make_drafter
 from .kv_cache import KVCache
 from .logits import LogitsState
 from .model import Llama
+from .quant import gguf_q4_1_blocks
 from .sequence import Sequence, Status
 from .weights import generation_defaults, load_model
 
@@ -42,7 +43,12 @@ def build_core(o: EmbeddedOptions) -> EngineCore:
     if o.max_model_len > s.max_position_embeddings:
         raise ValueError(f"max_model_len {o.max_model_len} exceeds the model's {s.max_position_embeddings} positions")
     dtype = _DTYPES[o.dtype]
-    model = Llama(s, loaded.state_dict, device, dtype)
+    if o.weights != "float32" and device != "cpu":
+        raise ValueError(f"weights {o.weights!r} runs on the CPU only")
+    blocks = None
+    if o.weights == "q4_1" and loaded.gguf is not None:
+        blocks = gguf_q4_1_blocks(loaded.gguf, s.num_heads, s.num_kv_heads)
+    model = Llama(s, loaded.state_dict, device, dtype, weights=o.weights, blocks=blocks)
     cache = KVCache(s.num_layers, o.max_num_seqs, s.num_kv_heads, o.max_model_len + o.max_num_steps + 1,
                     s.head_dim, device, dtype)
     eos = set(s.eos_token_ids)
@@ -104,8 +110,8 @@ class EmbeddedEngine:
         _ = self.sampling_defaults  # read the model's defaults now: a bad file fails start-up, not requests
         self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
         self._thread.start()
-        log.info("embedded engine ready: %s on %s/%s in %.1fs", self.options.model, self.core.device,
-                 self.options.dtype, time.monotonic() - t0)
+        log.info("embedded engine ready: %s on %s/%s, %s weights, in %.1fs", self.options.model, self.core.device,
+                 self.options.dtype, self.options.weights, time.monotonic() - t0)
 
     async def shutdown(self) -> None:
         self._stopping = True

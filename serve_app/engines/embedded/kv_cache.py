@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from .attention import padded_length
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, capacity: int,
                  head_dim: int, device, dtype):
+        capacity = padded_length(capacity)  # attention reads whole blocks of keys
         shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
         # torch.zeros on CPU maps pages lazily: untouched capacity costs no memory.
         self.k = torch.zeros(shape, device=device, dtype=dtype)

@@ -1,14 +1,28 @@
-"""Matrix products of the forward passes: on the CPU, oneDNN with each weight reordered once.
+"""Matrix products of the forward passes, one class per weight format.
 
-In float32 on the CPU, ``F.linear`` calls a BLAS sgemm that re-packs the weight on every
-call. For the few rows of a decode or verify step that packing costs more than the product:
-on this project's 2-core AMD machine (one thread, the 30 gate/up projections of SmolLM2),
-1 row took 11.0 ms and 4 rows 17.4 ms through ``F.linear``, against 5.2 and 6.1 ms with the
-weight reordered once for oneDNN. The reorder is laid out for 16 rows: one laid out for a
-single row is slower at every row count (6.9 ms for 1 row, 11.5 for 4), layouts for 4 to 64
-rows are alike. A verify of k + 1 positions then costs about what one position does, as
-speculation on a memory-bound model assumes. Elsewhere (CUDA, other dtypes, a build without
-oneDNN) it is ``F.linear``.
+``float32``: on the CPU, oneDNN with each weight reordered once. ``F.linear`` calls a BLAS
+sgemm that re-packs the weight on every call; for the few rows of a decode or verify step
+that packing costs more than the product: on this project's 2-core AMD machine (one thread,
+the 30 gate/up projections of SmolLM2), 1 row took 11.0 ms and 4 rows 17.4 ms through
+``F.linear``, against 5.2 and 6.1 ms with the weight reordered once for oneDNN. The reorder
+is laid out for 16 rows: one laid out for a single row is slower at every row count (6.9 ms
+for 1 row, 11.5 for 4), layouts for 4 to 64 rows are alike. A verify of k + 1 positions then
+costs about what one position does, as speculation on a memory-bound model assumes.
+Elsewhere (CUDA, other dtypes, a build without oneDNN) it is ``F.linear``.
+
+The compact formats read fewer bytes per step (CPU only): ``bfloat16`` (oneDNN, reordered),
+``int8`` (one scale per output row, ``_weight_int8pack_mm``) and ``q4_1`` (4-bit codes with
+a scale and a minimum per 32 weights, ``_weight_int4pack_mm_for_cpu``). Their kernels are
+fast for bfloat16 inputs only (float32 ones take a scalar path, 20x slower), so each casts
+its input to bfloat16 and its output back; the rest of the model stays in its dtype. The
+int4 kernel computes ``w = (q - 8) * scale + zero``, so Q4_1's ``d * q + m`` is scale d and
+zero ``m + 8 d``, both rounded to bfloat16.
+
+Lossless speculation needs every product to give a row the same bits whatever the number
+of rows beside it. oneDNN's product does not for one row (its single-row path sums a long K
+in another order: SmolLM2's down projection, K = 1536, differs in the last bits, in float32
+and bfloat16), so one row goes in paired with a copy of itself; the other kernels are row-invariant as they are
+(tests/test_linear.py checks 1 to 40 rows).
 """
 
 from __future__ import annotations
@@ -19,12 +33,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .quant import GROUP, Q4Blocks, quantize_q4_1
+
 log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1")
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's blocked layout, or None where that path does not apply."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) \
+            or not torch.backends.mkldnn.is_available():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
@@ -33,20 +52,104 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product with a reordered weight; one row goes in paired with a copy of itself."""
+    if x.numel() != x.shape[-1]:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    pair = x.reshape(1, -1).expand(2, -1).contiguous()
+    return torch.ops.mkldnn._linear_pointwise(pair, packed, bias, "none", [], "")[:1].view(*x.shape[:-1], -1)
+
+
 class Linear:
-    """``y = x @ weight.T + bias``. Where oneDNN applies, only the reordered weight is kept."""
+    """``y = x @ weight.T + bias`` in float32. Where oneDNN applies, only the reordered
+    weight is kept."""
 
     __slots__ = ("weight", "bias", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.packed = _reorder(weight)
+        self.packed = _reorder(weight) if weight.dtype == torch.float32 else None
         self.weight = weight if self.packed is None else None
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _onednn(x, self.packed, self.bias)
+
+
+class _CompactLinear:
+    """A product whose kernel takes bfloat16 rows [M, K]: casts in and out, adds the bias."""
+
+    __slots__ = ("bias",)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._product(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(x.dtype)
+        out = out.view(*x.shape[:-1], -1)
+        return out if self.bias is None else out + self.bias
+
+
+class BF16Linear(_CompactLinear):
+    """The weight rounded to bfloat16, reordered once for oneDNN."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.packed, self.bias = _reorder(weight.to(torch.bfloat16)), bias
+        if self.packed is None:
+            raise RuntimeError("the bfloat16 weight format needs oneDNN on the CPU")
+
+    def _product(self, rows):
+        return _onednn(rows, self.packed, None)
+
+
+class Int8Linear(_CompactLinear):
+    """The weight as int8 codes with one bfloat16 scale per output row (absmax / 127)."""
+
+    __slots__ = ("codes", "scales")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        self.codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scales, self.bias = scale.to(torch.bfloat16), bias
+
+    def _product(self, rows):
+        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+
+
+class Q4Linear(_CompactLinear):
+    """Q4_1 blocks (codes, scale d, min m per 32 weights) packed for the CPU int4 kernel."""
+
+    __slots__ = ("packed", "scales_and_zeros")
+
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None = None):
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), 2)
+        zero = blocks.min + 8 * blocks.scale  # the kernel's w = (q - 8) * scale + zero
+        self.scales_and_zeros = torch.stack([blocks.scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
+        self.bias = bias
+
+    def _product(self, rows):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
+
+
+def make_linear(weights: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                blocks: Q4Blocks | None = None):
+    """The product of ``weight`` in format ``weights``; for ``q4_1``, ``blocks`` where the
+    weight was shipped as Q4_1, else blocks are made from it."""
+    if weights == "float32":
+        return Linear(weight, bias)
+    if weight.device.type != "cpu":
+        raise ValueError(f"the {weights} weight format runs on the CPU only")
+    if weights == "bfloat16":
+        return BF16Linear(weight, bias)
+    if weights == "int8":
+        return Int8Linear(weight, bias)
+    if weights == "q4_1":
+        return Q4Linear(blocks if blocks is not None else quantize_q4_1(weight), bias)
+    raise ValueError(f"unknown weight format {weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
 
 
 class _LinearModule(nn.Module):

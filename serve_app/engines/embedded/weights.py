@@ -74,6 +74,7 @@ class LoadedModel:
     shape: LlamaShape
     state_dict: dict[str, torch.Tensor]
     tokenizer: object  # a transformers tokenizer
+    gguf: Path | None = None  # the file the weights were dequantized from, if any
 
 
 def cache_dir() -> Path:
@@ -113,6 +114,14 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     if not out.exists():
         os.replace(tmp, out)
     return out
+
+
+def source_gguf(model: str) -> Path | None:
+    """The GGUF file a model name or path is converted from; None for a safetensors directory."""
+    if model == DEFAULT_MODEL:
+        return smollm2_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" else None
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -158,7 +167,8 @@ def load_model(model: str, tiny_layers: int = 2, seed: int = 0) -> LoadedModel:
     for f in sorted(directory.glob("*.safetensors")):
         state.update(load_file(f))
     return LoadedModel(name=model if model == DEFAULT_MODEL else directory.name,
-                       shape=LlamaShape.from_hf(cfg), state_dict=state, tokenizer=tokenizer)
+                       shape=LlamaShape.from_hf(cfg), state_dict=state, tokenizer=tokenizer,
+                       gguf=source_gguf(model))
 
 
 def _tiny_random(cfg, tokenizer, num_layers: int, seed: int) -> LoadedModel:

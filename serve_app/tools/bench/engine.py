@@ -84,6 +84,15 @@ def _baselines(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _weight_formats(text: str) -> list[str]:
+    from serve_app.engines.embedded.linear import WEIGHT_FORMATS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or set(names) - set(WEIGHT_FORMATS) or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"weight formats are {', '.join(WEIGHT_FORMATS)}; got {text!r}")
+    return names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"engine model (default {DEFAULT_MODEL})")
     p.add_argument("--prompt-set", type=_prompt_sets, default=list(PROMPT_SETS),
@@ -96,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per num_steps before the grid")
     p.add_argument("--drafter", choices=["ngram", "eagle"], default="ngram", help="the engine's drafter (default ngram)")
     p.add_argument("--draft-head", default=None, help="with --drafter eagle: a head's .safetensors (default: the shipped one)")
+    p.add_argument("--weights", type=_weight_formats, default=["float32"],
+                   help="comma list of weight formats, one engine each, measured side by side point by point; "
+                        "crossover and the HF pairs use the first (default float32)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for engine and HF (default torch's)")
     p.add_argument("--baseline", type=_baselines, default=["hf"],
                    help="what the engine is measured against: hf (transformers on the same weights), llamacpp "
@@ -342,13 +354,14 @@ class LlamaCppSide:
 
 
 def llamacpp_ratios(engine_rows: list[dict], llama_rows: list[dict]) -> list[dict]:
-    """Per prompt set, concurrency and num_steps: the engine's figures over llama.cpp's."""
+    """Per prompt set, concurrency, num_steps and weight format: the engine's figures over llama.cpp's."""
     llama = {(r["prompt_set"], r["concurrency"]): r for r in llama_rows}
 
     def ratio(a, b):
         return round(a / b, 4) if a is not None and b else None
 
-    return [{"prompt_set": r["prompt_set"], "concurrency": r["concurrency"], "num_steps": r["num_steps"]}
+    return [{"prompt_set": r["prompt_set"], "concurrency": r["concurrency"], "num_steps": r["num_steps"],
+             "weights": r.get("weights", "float32")}
             | {f"engine_over_llamacpp_{k}": ratio(r[k], base[k])
                for k in ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")}
             for r in engine_rows if (base := llama.get((r["prompt_set"], r["concurrency"])))]
@@ -376,15 +389,20 @@ async def benchmark(args) -> dict:
     threads = torch.get_num_threads()  # engine and HF share this process's thread pool
     if LLAMACPP in args.baseline:
         llamacpp.ensure_binaries()  # before the engine loads: a build takes minutes, a failure none
-    engine = EmbeddedEngine(EmbeddedOptions(model=args.model, num_threads=threads, drafter=args.drafter, draft_head=args.draft_head,
-                                            max_num_seqs=max(32, HF_BATCH, *args.concurrency),
-                                            max_num_steps=max(8, *args.num_steps)))
-    await engine.start()
+    engines = {w: EmbeddedEngine(EmbeddedOptions(model=args.model, num_threads=threads, drafter=args.drafter,
+                                                 draft_head=args.draft_head, weights=w,
+                                                 max_num_seqs=max(32, HF_BATCH, *args.concurrency),
+                                                 max_num_steps=max(8, *args.num_steps)))
+               for w in args.weights}
+    for engine in engines.values():
+        await engine.start()
+    engine = engines[args.weights[0]]
     # Every set the pairs need is rendered even when the grid skips it.
     rendered = {name: [engine.apply_chat_template(chat_messages(p)) for p in prompts]
                 for name, prompts in PROMPT_SETS.items()}
     llama = LlamaCppSide(args, threads, engine.tokenize, rendered) if LLAMACPP in args.baseline else None
-    sides = [*args.num_steps, *([LLAMACPP] if llama else [])]
+    ours = [(k, w) for k in args.num_steps for w in args.weights]  # each num_steps with each weight format
+    sides = [*ours, *([LLAMACPP] if llama else [])]
     per_cell = sum(_requests(args, c) for c in args.concurrency) * args.rounds * len(sides)
     hf_requests = 2 * (2 * args.hf_prompts + HF_BATCH) if "hf" in args.baseline else 0
     rows: list[dict] = []
@@ -395,24 +413,28 @@ async def benchmark(args) -> dict:
                                         unit="req", file=sys.stderr) as progress:
             if llama:
                 await llama.start(stack.enter_context(llama.server()))
-            for k in args.num_steps:
-                await engine.set_num_steps(k)
-                await run_point(engine, rendered[args.prompt_set[0]], args.warmup, args.warmup, min(16, args.max_tokens))
+            for each in engines.values():
+                for k in args.num_steps:
+                    await each.set_num_steps(k)
+                    await run_point(each, rendered[args.prompt_set[0]], args.warmup, args.warmup,
+                                    min(16, args.max_tokens))
             for prompt_set in args.prompt_set:
                 for c in args.concurrency:
                     n = _requests(args, c)
                     tallies = {side: Tally() for side in sides}
                     for r, side in mirrored(sides, args.rounds):  # innermost: the ratios are side by side
-                        progress.set_postfix_str(f"{prompt_set} c={c} {'llama.cpp' if side == LLAMACPP else f'k={side}'}")
                         if side == LLAMACPP:
+                            progress.set_postfix_str(f"{prompt_set} c={c} llama.cpp")
                             await llama.run_point(PROMPT_SETS[prompt_set], c, n, args.max_tokens, progress,
                                                   tallies[side], r * n)
                         else:
-                            await engine.set_num_steps(side)
-                            await run_point(engine, rendered[prompt_set], c, n, args.max_tokens, progress,
+                            k, w = side
+                            progress.set_postfix_str(f"{prompt_set} c={c} k={k} {w}")
+                            await engines[w].set_num_steps(k)
+                            await run_point(engines[w], rendered[prompt_set], c, n, args.max_tokens, progress,
                                             tallies[side], r * n)
-                    rows += [{"prompt_set": prompt_set, "num_steps": k, "concurrency": c} | tallies[k].row()
-                             for k in args.num_steps]
+                    rows += [{"prompt_set": prompt_set, "num_steps": k, "concurrency": c, "weights": w}
+                             | tallies[(k, w)].row() for k, w in ours]
                     if llama:
                         llama_rows.append({"prompt_set": prompt_set, "concurrency": c}
                                           | summarize(tallies[LLAMACPP].timings, tallies[LLAMACPP].wall_s))
@@ -422,11 +444,13 @@ async def benchmark(args) -> dict:
             if llama:
                 await llama.target.aclose()
     finally:
-        await engine.shutdown()
+        for each in engines.values():
+            await each.shutdown()
     if llama:  # after the server is gone: llama-bench wants the cores
         llama_result = llama.result(llama_rows, rows, args.max_tokens)
+    first = [r for r in rows if r["weights"] == args.weights[0]]
     return {"meta": _meta(args, threads), "rows": rows, "hf_baseline": baseline, "llamacpp_baseline": llama_result,
-            "crossover": crossover(rows)}
+            "crossover": crossover(first)}
 
 
 def _meta(args, threads: int) -> dict:
@@ -439,6 +463,7 @@ def _meta(args, threads: int) -> dict:
         "threads": threads,
         "model": args.model,
         "drafter": args.drafter,
+        "weights": args.weights,
         "draft_head": args.draft_head,
         "max_tokens": args.max_tokens,
         "ignore_eos": args.ignore_eos,
@@ -462,11 +487,11 @@ def format_report(result: dict) -> str:
     lines = [f"model {m['model']}, max_tokens {m['max_tokens']}, {m['threads']} torch threads, torch {m['torch_version']}"]
     header = (f"{'steps':>5} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'vs k=0':>6} {'ttft p50':>9} {'ttft p99':>9} "
               f"{'tpot p50':>9} {'tpot p99':>9} {'accept':>6} {'acc len':>7}")
-    for prompt_set in dict.fromkeys(r["prompt_set"] for r in result["rows"]):
-        rows = [r for r in result["rows"] if r["prompt_set"] == prompt_set]
+    for prompt_set, w in dict.fromkeys((r["prompt_set"], r.get("weights", "float32")) for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["prompt_set"] == prompt_set and r.get("weights", "float32") == w]
         plain = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["num_steps"] == 0}
-        lines += ["", f"[{prompt_set}]  latencies in ms; 'vs k=0' = tokens/s over num_steps 0 at the same concurrency",
-                  header]
+        lines += ["", f"[{prompt_set}] {w} weights  latencies in ms; 'vs k=0' = tokens/s over num_steps 0 at the same "
+                  "concurrency", header]
         for r in sorted(rows, key=lambda r: (r["num_steps"], r["concurrency"])):
             base = plain.get(r["concurrency"])
             ratio = r["output_tokens_per_s"] / base if base else None
@@ -475,7 +500,7 @@ def format_report(result: dict) -> str:
                          f"{_f(r['ttft_p50_ms'], '9.1f')} {_f(r['ttft_p99_ms'], '9.1f')} "
                          f"{_f(r['tpot_p50_ms'], '9.1f')} {_f(r['tpot_p99_ms'], '9.1f')} "
                          f"{_f(r['accept_rate'], '6.2f')} {_f(r['mean_accepted_len'], '7.2f')}")
-        cross = result["crossover"].get(prompt_set)
+        cross = result["crossover"].get(prompt_set) if w == m.get("weights", ["float32"])[0] else None
         if cross:
             by_k = ", ".join(f"num_steps {k}: {_f(c, 'd') if c else 'none'}" for k, c in cross["by_num_steps"].items())
             best = cross["best"] if cross["best"] is not None else "none (speculation won everywhere)"
@@ -502,16 +527,17 @@ def format_llamacpp(result: dict) -> list[str]:
     lines = [f"[llamacpp_baseline]  llama-server {lc['version']} on {lc['gguf']}, {lc['threads']} threads, "
              f"{lc['slots']} slots x {lc['ctx_per_slot']} tokens, no prompt cache, over HTTP; latencies in ms; "
              "'vs llama.cpp' = engine tokens/s over llama.cpp's",
-             f"{'set':>5} {'conc':>4} {'side':>10} {'tok/s':>8} {'vs llama.cpp':>12} {'ttft p50':>9} {'ttft p99':>9} "
+             f"{'set':>5} {'conc':>4} {'side':>14} {'tok/s':>8} {'vs llama.cpp':>12} {'ttft p50':>9} {'ttft p99':>9} "
              f"{'tpot p50':>9} {'tpot p99':>9}"]
-    ratios = {(x["prompt_set"], x["concurrency"], x["num_steps"]): x["engine_over_llamacpp_output_tokens_per_s"]
-              for x in lc["ratios"]}
+    ratios = {(x["prompt_set"], x["concurrency"], x["num_steps"], x.get("weights", "float32")):
+              x["engine_over_llamacpp_output_tokens_per_s"] for x in lc["ratios"]}
     for base in lc["rows"]:
         cell = (base["prompt_set"], base["concurrency"])
         engine_rows = [r for r in result["rows"] if (r["prompt_set"], r["concurrency"]) == cell]
-        for name, r in [("llama.cpp", base), *((f"k={r['num_steps']}", r) for r in engine_rows)]:
-            ratio = ratios.get((*cell, r["num_steps"])) if name != "llama.cpp" else None
-            lines.append(f"{cell[0]:>5} {cell[1]:>4} {name:>10} {_f(r['output_tokens_per_s'], '8.1f')} "
+        for name, r in [("llama.cpp", base), *((f"k={r['num_steps']} {r.get('weights', 'float32')}", r)
+                                                for r in engine_rows)]:
+            ratio = ratios.get((*cell, r["num_steps"], r.get("weights", "float32"))) if name != "llama.cpp" else None
+            lines.append(f"{cell[0]:>5} {cell[1]:>4} {name:>14} {_f(r['output_tokens_per_s'], '8.1f')} "
                          f"{_f(ratio, '12.2f')} {_f(r['ttft_p50_ms'], '9.1f')} {_f(r['ttft_p99_ms'], '9.1f')} "
                          f"{_f(r['tpot_p50_ms'], '9.1f')} {_f(r['tpot_p99_ms'], '9.1f')}")
     bench = ", ".join(f"{b['threads']} thread{'s' if b['threads'] > 1 else ''} {b['tokens_per_s']:.1f} tok/s"
