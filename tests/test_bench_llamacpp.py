@@ -132,13 +132,15 @@ def test_ratios_are_the_engines_figures_over_llamacpps_at_the_same_cell():
         return {"prompt_set": "chat", "concurrency": c, "output_tokens_per_s": tps, "ttft_p50_ms": ttft,
                 "tpot_p50_ms": tpot, **k}
 
-    engine = [row(1, 50, 40, 20, num_steps=0), row(1, 75, 40, 10, num_steps=3), row(16, 300, 400, 50, num_steps=0)]
+    engine = [row(1, 50, 40, 20, num_steps=0, weights="float32"), row(1, 75, 40, 10, num_steps=3, weights="q4_1"),
+              row(16, 300, 400, 50, num_steps=0, weights="float32")]
     llama = [row(1, 100, 20, 10)]
 
     assert llamacpp_ratios(engine, llama) == [
-        {"prompt_set": "chat", "concurrency": 1, "num_steps": 0, "engine_over_llamacpp_output_tokens_per_s": 0.5,
+        {"prompt_set": "chat", "concurrency": 1, "num_steps": 0, "weights": "float32",
+         "engine_over_llamacpp_output_tokens_per_s": 0.5,
          "engine_over_llamacpp_ttft_p50_ms": 2.0, "engine_over_llamacpp_tpot_p50_ms": 2.0},
-        {"prompt_set": "chat", "concurrency": 1, "num_steps": 3, "engine_over_llamacpp_output_tokens_per_s": 0.75,
+        {"prompt_set": "chat", "concurrency": 1, "num_steps": 3, "weights": "q4_1", "engine_over_llamacpp_output_tokens_per_s": 0.75,
          "engine_over_llamacpp_ttft_p50_ms": 2.0, "engine_over_llamacpp_tpot_p50_ms": 1.0}]
 
 
