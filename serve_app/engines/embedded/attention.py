@@ -20,7 +20,6 @@ tests/test_attention.py checks rows across query counts, batch sizes and key len
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 BLOCK = 64
 _MIN_ROWS = 4  # MKL's product sums a row alike from 4 rows on
@@ -50,10 +49,3 @@ def attend(xq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     partials = probs.view(B, KV, -1, nb, BLOCK).transpose(2, 3) @ v.view(B, KV, nb, BLOCK, D)
     out = partials.sum(2)[:, :, :rows]
     return out.view(B, KV, G, q, D).permute(0, 3, 1, 2, 4).reshape(B, q, H * D)
-
-
-def attend_sdpa(xq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """The same through ``F.scaled_dot_product_attention`` (faster, not row-invariant)."""
-    B, q, H, D = xq.shape
-    out = F.scaled_dot_product_attention(xq.transpose(1, 2), k, v, attn_mask=visible.unsqueeze(1), enable_gqa=True)
-    return out.transpose(1, 2).reshape(B, q, H * D)

@@ -43,8 +43,6 @@ def build_core(o: EmbeddedOptions) -> EngineCore:
     if o.max_model_len > s.max_position_embeddings:
         raise ValueError(f"max_model_len {o.max_model_len} exceeds the model's {s.max_position_embeddings} positions")
     dtype = _DTYPES[o.dtype]
-    if o.weights != "float32" and device != "cpu":
-        raise ValueError(f"weights {o.weights!r} runs on the CPU only")
     blocks = None
     if o.weights == "q4_1" and loaded.gguf is not None:
         blocks = gguf_q4_1_blocks(loaded.gguf, s.num_heads, s.num_kv_heads)

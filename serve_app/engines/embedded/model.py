@@ -3,8 +3,9 @@
 One function serves prefill, plain decode and speculative verify: every call feeds ``q``
 tokens to each of ``B`` sequences (slot ``b`` of the cache holds sequence ``b``), writes
 their keys and values at positions ``lens[b] .. lens[b]+q-1`` and attends causally to
-everything before, through ``attention.py``'s row-invariant attention. Right-padded prefill works the same way: padding writes past a
-sequence's length, which the mask hides and later steps overwrite. So does rollback of
+everything before, through ``attention.py``'s row-invariant attention. Right-padded prefill
+works the same way: padding writes past a sequence's length, which the mask hides and later
+steps overwrite. So does rollback of
 rejected draft tokens: a sequence's length simply does not advance over them.
 """
 
@@ -46,7 +47,7 @@ class Llama:
         # Q4_1 blocks of the LM head would coarsen it (SmolLM2 ships it as Q8_0): on the chat
         # prompts, 15 % of float32's greedy tokens stayed the same against 53 % in bfloat16.
         self.lm_head_linear = linear([head], fmt="bfloat16" if weights == "q4_1" else weights)
-        self.lm_head = self.embed if head == "model.embed_tokens.weight" else t(head)  # as a tensor: the head trainer's
+        self.lm_head = self.embed if head == "model.embed_tokens.weight" else t(head)  # the float weight, for the head trainer
         self.norm = t("model.norm.weight")
         self.layers = []
         for i in range(shape.num_layers):
