@@ -107,10 +107,9 @@ class OpenAIIngress:
         wanted = params.logprobs is not None
 
         def respond(results, usage):
-            outputs = [((r.prompt_text or "") + r.text, r.finish_reason) for r in results]
-            logprobs = [oai.CompletionLogprobs(wanted).render((r.prompt_logprobs or []) + (r.logprobs or []))
-                        for r in results]
-            return oai.completion_response(rid, model, outputs, usage, logprobs=logprobs)
+            choices = [oai.completion_choice(r, oai.CompletionLogprobs(wanted)) for r in results]
+            outputs = [(text, r.finish_reason) for (text, _), r in zip(choices, results, strict=True)]
+            return oai.completion_response(rid, model, outputs, usage, logprobs=[lp for _, lp in choices])
 
         events = functools.partial(sse.completion_events, logprobs=wanted)
         return await self._answer(body, model, rid, requests, None, events, respond)

@@ -293,6 +293,14 @@ class CompletionLogprobs:
         return out
 
 
+def completion_choice(output, render: CompletionLogprobs) -> tuple[str, dict[str, Any] | None]:
+    """A completions choice's text and ``logprobs`` from an output (a whole result or one delta:
+    anything with ``text``, ``logprobs``, ``prompt_text`` and ``prompt_logprobs``); an echoed
+    prompt comes first in both."""
+    text = (output.prompt_text or "") + output.text
+    return text, render.render((output.prompt_logprobs or []) + (output.logprobs or []))
+
+
 def completion_response(
     rid: str, model: str, outputs: list[tuple[str, str | None]], usage_: dict | None, created: int | None = None,
     logprobs: list[dict | None] | None = None,

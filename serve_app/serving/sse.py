@@ -60,9 +60,7 @@ def completion_chunks(rid: str, model: str, include_usage: bool, logprobs: bool 
     def chunk(index: int, delta: TokenDelta | None, usage: dict | None = None) -> dict:
         text, lp = None, None
         if delta is not None:
-            text = (delta.prompt_text or "") + delta.text
-            render = renderers.setdefault(index, oai.CompletionLogprobs(logprobs))
-            lp = render.render((delta.prompt_logprobs or []) + (delta.logprobs or []))
+            text, lp = oai.completion_choice(delta, renderers.setdefault(index, oai.CompletionLogprobs(logprobs)))
         c = oai.completion_chunk(rid, model, created, text, delta.finish_reason if delta else None, usage, index, lp)
         if not include_usage:
             c.pop("usage")
