@@ -1,0 +1,171 @@
+"""The engine's half of the two-level policy: under the cluster's ceiling, how many draft tokens
+this decode step verifies. Batch, acceptance and step cost in; a draft length out.
+
+The cluster controller (:func:`serve_app.control.policy.decide`) sets ``ceiling``: the most
+draft steps any replica may run now. Each engine step then calls :func:`choose_steps` with
+what the engine knows at that moment:
+
+- the acceptance estimate of every sequence in the batch (:class:`Acceptance`, an exponential
+  moving average per request that starts from the engine's own);
+- the cost of a step of ``batch`` sequences fed ``1 + k`` tokens each (:class:`StepCost`,
+  learned online from the engine's own steps).
+
+A sequence whose drafts are accepted with probability ``a`` each (the first rejection ends the
+run) gains ``1 + a + ... + a^k`` tokens from a verify of ``k`` drafts. The choice maximizes the
+batch's expected tokens per second of step time. The batch is padded to its widest row, so one
+draft length serves the whole batch; sequences whose own cap is lower (a per-request
+``max_steps``, a long prompt, the end of ``max_tokens``) draft less inside it.
+
+The gate: when the estimates make every ``k > 0`` lose, speculation stops and the estimates
+stop moving. Every ``probe_interval_s`` one step drafts ``probe_steps`` tokens anyway, so a
+change of traffic (copy-heavy prompts after chat) is seen and speculation comes back.
+
+Pure: no torch, no clock, no I/O. The engine owns the state objects and the time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from serve_app.strict import Strict
+
+
+class StepPolicyConfig(Strict):
+    """How an engine picks each step's draft length under the cluster's ceiling."""
+
+    probe_interval_s: float = Field(1.0, gt=0, description="while the gate is shut, one probing step this often")
+    probe_steps: int = Field(2, ge=1, description="draft tokens of a probing step (capped by the ceiling)")
+    min_gain: float = Field(1.02, ge=1.0, description="k > 0 must beat plain decoding by this factor")
+    prior_trials: float = Field(
+        2.0, ge=0, description="weight, in draft tokens, of the engine's acceptance in a new request's estimate")
+    request_half_life: float = Field(16.0, gt=0, description="a request's estimate halves old evidence every N drafts")
+    engine_half_life: float = Field(64.0, gt=0, description="the engine's estimate halves old evidence every N drafts")
+    initial_acceptance: float = Field(0.5, ge=0, le=1, description="the engine's estimate before any verify")
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a sequence gains from one verify of ``k`` drafts, each accepted with probability
+    ``acceptance`` after the ones before it: 1 + a + a^2 + ... + a^k."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """An acceptance estimate from decayed counts: accepted drafts over draft trials.
+
+    A verify of ``k`` drafts that accepts ``n`` is ``n`` successes in ``n + (1 if n < k else 0)``
+    trials: the drafts after the first rejection were never tried. The estimate is the
+    maximum-likelihood ``a`` of that geometric model; old evidence halves every ``half_life``
+    trials.
+    """
+
+    half_life: float
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        trials = accepted + (1 if accepted < proposed else 0)
+        keep = 0.5 ** (trials / self.half_life)
+        self.accepted = self.accepted * keep + accepted
+        self.trials = self.trials * keep + trials
+
+    def estimate(self, prior: float, prior_trials: float) -> float:
+        """The estimate, with ``prior`` counted as ``prior_trials`` trials."""
+        total = self.trials + prior_trials
+        return (self.accepted + prior * prior_trials) / total if total > 0 else prior
+
+
+@dataclass(slots=True)
+class StepCost:
+    """Seconds per decode step as ``base + per_row · rows``, rows = batch × (1 + k), fitted to
+    the engine's own steps by decayed least squares.
+
+    A CPU step reads every weight once (``base``) and computes each fed row (``per_row``); a
+    GPU step below its compute roof is nearly flat in rows. Before two distinct row counts
+    have been seen, ``prior_rows`` says how many rows double the cost of one.
+    """
+
+    prior_rows: float = 16.0
+    half_life: float = 200.0
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        keep = 0.5 ** (1.0 / self.half_life)
+        x = float(batch * (1 + k))
+        self.n, self.sx, self.sy = self.n * keep + 1, self.sx * keep + x, self.sy * keep + seconds
+        self.sxx, self.sxy = self.sxx * keep + x * x, self.sxy * keep + x * seconds
+
+    def coefficients(self) -> tuple[float, float]:
+        """(base, per_row) in seconds; relative units (base 1) before any step was seen."""
+        if self.n <= 0:
+            return 1.0, 1.0 / self.prior_rows
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mean_x * mean_x
+        if var <= 1e-9 * max(1.0, mean_x * mean_x):  # one row count seen: the prior's shape, scaled
+            base = mean_y / (1.0 + mean_x / self.prior_rows)
+            return base, base / self.prior_rows
+        per_row = max((self.sxy / self.n - mean_x * mean_y) / var, 0.0)
+        base = max(mean_y - per_row * mean_x, 0.05 * mean_y)
+        return base, per_row
+
+    def seconds(self, batch: int, k: int) -> float:
+        base, per_row = self.coefficients()
+        return base + per_row * batch * (1 + k)
+
+
+@dataclass(slots=True)
+class GateState:
+    """The gate's memory: whether speculation is shut for low acceptance, and the last probe."""
+
+    shut: bool = False
+    last_probe_at: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class StepChoice:
+    num_steps: int
+    reason: str
+    """ceiling (the ceiling is 0 or the batch is empty), gain (the best expected rate), gate
+    (every k > 0 loses: plain decoding), probe (a probing step while the gate is shut)."""
+    gate: GateState
+    expected_tokens_per_s: float = 0.0
+
+
+def rate(acceptances: Sequence[float], k: int, cost: StepCost) -> float:
+    """Expected output tokens per second of a step of these sequences at ``k`` drafts."""
+    return sum(expected_tokens(a, k) for a in acceptances) / cost.seconds(len(acceptances), k)
+
+
+def choose_steps(ceiling: int, acceptances: Sequence[float], cost: StepCost, gate: GateState, now: float,
+                 config: StepPolicyConfig) -> StepChoice:
+    """This step's draft length: the ``k`` in ``0..ceiling`` with the most expected tokens per
+    second; 0 unless it beats plain decoding by ``min_gain``. While that keeps speculation
+    off, a probing step of ``probe_steps`` drafts runs every ``probe_interval_s``."""
+    if ceiling <= 0 or not acceptances:
+        return StepChoice(0, "ceiling", GateState(False, gate.last_probe_at))
+    plain = rate(acceptances, 0, cost)
+    best_k, best = 0, plain
+    for k in range(1, ceiling + 1):
+        r = rate(acceptances, k, cost)
+        if r > best:
+            best_k, best = k, r
+    if best_k > 0 and best >= config.min_gain * plain:
+        return StepChoice(best_k, "gain", GateState(False, gate.last_probe_at), best)
+    if not gate.shut:  # the gate shuts now; the first probe is due one interval later
+        return StepChoice(0, "gate", GateState(True, now), plain)
+    if gate.last_probe_at is None or now - gate.last_probe_at >= config.probe_interval_s:
+        k = min(ceiling, config.probe_steps)
+        return StepChoice(k, "probe", GateState(True, now), rate(acceptances, k, cost))
+    return StepChoice(0, "gate", gate, plain)

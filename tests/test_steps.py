@@ -1,0 +1,117 @@
+"""The engine-level step choice (serve_app.control.steps), as a pure function."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.control.steps import (
+    Acceptance,
+    GateState,
+    StepCost,
+    StepPolicyConfig,
+    choose_steps,
+    expected_tokens,
+)
+
+CFG = StepPolicyConfig()
+
+
+def fitted(base: float, per_row: float) -> StepCost:
+    cost = StepCost()
+    for batch in (1, 2, 4, 8, 16):
+        for k in (0, 1, 3):
+            cost.observe(batch, k, base + per_row * batch * (1 + k))
+    return cost
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(-1.0, 3) == 1.0 and expected_tokens(2.0, 3) == 4.0
+
+
+def test_acceptance_is_the_geometric_maximum_likelihood_and_forgets():
+    a = Acceptance(half_life=1e9)
+    a.observe(4, 2)  # 2 accepted, then a rejection: 3 trials
+    assert a.estimate(0.0, 0.0) == pytest.approx(2 / 3)
+    a.observe(4, 4)  # all accepted: no rejection seen
+    assert a.estimate(0.0, 0.0) == pytest.approx(6 / 7)
+    a.observe(0, 0)  # no drafts: no evidence
+    assert a.trials == pytest.approx(3 + 4)
+    fresh = Acceptance(half_life=1e9)
+    assert fresh.estimate(0.3, 2.0) == pytest.approx(0.3)
+    quick = Acceptance(half_life=2.0)
+    for _ in range(20):
+        quick.observe(4, 0)
+    for _ in range(5):
+        quick.observe(4, 4)
+    assert quick.estimate(0.0, 0.0) > 0.9  # recent evidence dominates
+
+
+def test_step_cost_fits_base_and_per_row_and_keeps_the_prior_shape_before():
+    cost = fitted(0.010, 0.001)
+    base, per_row = cost.coefficients()
+    assert base == pytest.approx(0.010, rel=1e-6) and per_row == pytest.approx(0.001, rel=1e-6)
+    assert cost.seconds(8, 3) == pytest.approx(0.010 + 0.001 * 32)
+    one = StepCost(prior_rows=10.0)
+    for _ in range(3):
+        one.observe(1, 0, 0.011)
+    assert one.seconds(1, 0) == pytest.approx(0.011)
+    assert one.seconds(10, 0) / one.seconds(1, 0) == pytest.approx(20 / 11)
+    assert StepCost(prior_rows=4.0).seconds(4, 0) == pytest.approx(2.0)
+
+
+def test_high_acceptance_and_a_small_batch_draft_up_to_the_ceiling():
+    cost = fitted(0.010, 0.0002)  # memory-bound: rows are cheap
+    choice = choose_steps(5, [0.9], cost, GateState(), 0.0, CFG)
+    assert (choice.num_steps, choice.reason) == (5, "gain")
+    assert choose_steps(3, [0.9], cost, GateState(), 0.0, CFG).num_steps == 3
+
+
+def test_a_large_compute_bound_batch_stops_drafting():
+    cost = fitted(0.010, 0.002)
+    assert choose_steps(5, [0.6] * 32, cost, GateState(), 0.0, CFG).num_steps == 0
+    assert choose_steps(5, [0.6], cost, GateState(), 0.0, CFG).num_steps > 0
+
+
+def test_the_choice_is_the_argmax_of_expected_tokens_per_second():
+    cost = fitted(0.010, 0.001)
+    accs = [0.7, 0.2, 0.95, 0.5]
+    rates = {k: sum(expected_tokens(a, k) for a in accs) / cost.seconds(4, k) for k in range(6)}
+    best = max(rates, key=rates.get)
+    assert best not in (0, 5)  # the case is interior, so the test tells a wrong argmax apart
+    assert choose_steps(5, accs, cost, GateState(), 0.0, CFG).num_steps == best
+
+
+def test_ceiling_zero_or_an_empty_batch_is_plain_and_opens_the_gate():
+    cost = fitted(0.010, 0.0002)
+    for ceiling, accs in ((0, [0.9]), (4, [])):
+        choice = choose_steps(ceiling, accs, cost, GateState(True, 3.0), 5.0, CFG)
+        assert (choice.num_steps, choice.reason, choice.gate.shut) == (0, "ceiling", False)
+
+
+def test_the_gate_shuts_on_low_acceptance_probes_each_interval_and_reopens():
+    cost = fitted(0.010, 0.001)
+    cfg = StepPolicyConfig(probe_interval_s=1.0, probe_steps=2)
+    low = [0.01] * 4
+    c = choose_steps(4, low, cost, GateState(), 10.0, cfg)
+    assert (c.num_steps, c.reason, c.gate.shut) == (0, "gate", True)
+    c = choose_steps(4, low, cost, c.gate, 10.5, cfg)
+    assert (c.num_steps, c.reason) == (0, "gate")
+    c = choose_steps(4, low, cost, c.gate, 11.0, cfg)
+    assert (c.num_steps, c.reason, c.gate.last_probe_at) == (2, "probe", 11.0)
+    c = choose_steps(1, low, cost, c.gate, 12.5, cfg)
+    assert (c.num_steps, c.reason) == (1, "probe")  # a probe never passes the ceiling
+    c = choose_steps(4, [0.95] * 4, cost, c.gate, 12.6, cfg)
+    assert (c.num_steps > 0, c.reason, c.gate.shut) == (True, "gain", False)
+
+
+def test_min_gain_keeps_a_marginal_draft_off():
+    cost = fitted(0.010, 0.001)
+    accs = [0.12]
+    gains = max(sum(expected_tokens(a, k) for a in accs) / cost.seconds(1, k) for k in range(1, 4))
+    plain = 1 / cost.seconds(1, 0)
+    assert 1.0 < gains / plain < 1.5
+    assert choose_steps(3, accs, cost, GateState(), 0.0, StepPolicyConfig(min_gain=1.0)).num_steps > 0
+    assert choose_steps(3, accs, cost, GateState(), 0.0, StepPolicyConfig(min_gain=1.5)).num_steps == 0
