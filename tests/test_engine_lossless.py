@@ -141,3 +141,26 @@ def test_real_model_greedy_output_is_identical_for_every_num_steps_alone_and_bat
     for schedule in (lambda s: 0, lambda s: 5, random_schedule(2)):
         assert run_greedy(engine, prompts, schedule, max_tokens=24, together=True) == reference
     assert engine.core.totals["accepted"] > 0
+
+
+def test_adaptive_steps_vary_per_step_and_per_sequence_and_change_no_greedy_output(tiny):
+    """The engine picks each step's draft length under the ceiling; requests with their own
+    caps draft fewer inside the same batch."""
+    from serve_app.control.steps import StepPolicyConfig
+    from serve_app.engines.embedded.adaptive import StepChooser
+
+    reference = run_greedy(tiny, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False)
+    caps = [{"spec_max_steps": (None, 0, 1, 3)[i % 4]} for i in range(len(TINY_PROMPTS))]
+    ran: set[str] = set()
+    ks: set[int] = set()
+    try:
+        for seed, min_gain in enumerate((1.0, 1.02, 1.2)):
+            tiny.core.chooser = chooser = StepChooser(StepPolicyConfig(min_gain=min_gain, probe_interval_s=0.01))
+            assert run_greedy(tiny, TINY_PROMPTS, random_schedule(seed), max_tokens=40) == reference
+            assert run_greedy(tiny, TINY_PROMPTS, random_schedule(seed + 9), max_tokens=40, per_prompt=caps) == reference
+            ran |= set(chooser.reasons)
+            ks |= {k for _, k in chooser.history}
+            assert not chooser.requests, "finished requests left acceptance estimates behind"
+    finally:
+        tiny.core.chooser = None
+    assert {"gain", "gate"} <= ran and len(ks) >= 3, f"the chooser never varied the draft length: {ran}, {ks}"

@@ -230,7 +230,11 @@ class EngineLoad:
     mean_accepted_len: float = 0.0
     active_num_steps: int | None = None
     """The draft steps the engine's last decode step really ran, where that can differ from the
-    commanded ``num_steps`` (a local guard); None: the same as ``num_steps``."""
+    commanded ``num_steps`` (a local guard, or an engine that picks each step's draft length
+    under it); None: the same as ``num_steps``."""
+    mean_num_steps: float | None = None
+    """Mean draft steps of the engine's decode steps over its last seconds, where it picks them
+    per step; None: it runs what is commanded."""
 
 
 @runtime_checkable

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from serve_app.control.steps import StepPolicyConfig
+
 
 class EmbeddedOptions(BaseModel):
     """How to build an embedded engine.
@@ -26,6 +28,10 @@ class EmbeddedOptions(BaseModel):
     max_waiting: int = Field(256, ge=0, description="queued requests before new ones get 429")
     max_prefill_tokens: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
     max_num_steps: int = Field(8, ge=1, le=16, description="largest num_steps accepted")
+    step_policy: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed: every decode step drafts num_steps; adaptive: num_steps is a ceiling and each "
+        "step drafts the number under it with the most expected tokens per second (serve_app/control/steps.py)")
+    adaptive: StepPolicyConfig = Field(default_factory=StepPolicyConfig, description="the adaptive policy's settings")
     long_prompt_tokens: int | None = Field(
         None, ge=1, description="prompts longer than this verify at most long_prompt_max_steps drafts a step")
     long_prompt_max_steps: int = Field(0, ge=0, description="the draft cap of long prompts (0: plain decoding)")

@@ -2,10 +2,13 @@
 
 ``EngineCore.step()`` prefills what the scheduler admits, then runs one decode step for
 every decoding sequence. The step reads ``num_steps`` once, at its start: that is the
-switch point. num_steps 0 feeds each sequence its last token; k > 0 feeds the last token
-plus up to k draft tokens and keeps the longest verified prefix. Either way a sequence's
-cache ends the step holding exactly its tokens but the newest one, so the next step can
-use either path.
+switch point. With a :class:`StepChooser` (``step_policy: adaptive``) ``num_steps`` is a
+ceiling, and each decode step drafts the number under it that the chooser picks.
+
+A step of 0 drafts feeds each sequence its last token; k > 0 feeds the last token plus up
+to k draft tokens and keeps the longest verified prefix. Either way a sequence's cache ends
+the step holding exactly its tokens but the newest one, so the next step can use either
+path.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections import deque
 import torch
 
 from ..base import TokenDelta
+from .adaptive import StepChooser
 from .drafters import Drafter
 from .kv_cache import KVCache
 from .logits import Logprobs
@@ -60,12 +64,15 @@ class StepStats:
 
 class EngineCore:
     def __init__(self, model: Llama, tokenizer, drafter: Drafter, cache: KVCache, *,
-                 max_num_seqs: int, max_prefill_tokens: int, eos_token_ids: set[int]):
+                 max_num_seqs: int, max_prefill_tokens: int, eos_token_ids: set[int],
+                 chooser: StepChooser | None = None):
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.cache = cache
         self.scheduler = Scheduler(cache, max_num_seqs, max_prefill_tokens)
         self.eos_token_ids = eos_token_ids
-        self.num_steps = 0
+        self.num_steps = 0  # the ceiling: the most drafts a step may verify
+        self.chooser = chooser  # None: every step drafts num_steps; else it picks under it
+        self.last_num_steps = 0  # what the last decode step drafted
         self.stats = StepStats()
         self.totals = {"proposed": 0, "accepted": 0, "verifies": 0, "steps": 0, "output_tokens": 0}
         self.device = model.device
@@ -149,7 +156,12 @@ class EngineCore:
         penalties and bans change them."""
         return {row: logits[row, :widths[row]].clone() for row, seq in rows if seq.params.logprobs is not None}
 
-    def _decode(self, seqs: list[Sequence], num_steps: int) -> None:
+    def _decode(self, seqs: list[Sequence], ceiling: int) -> None:
+        started = time.perf_counter()
+        num_steps = ceiling
+        if ceiling > 0 and self.chooser is not None:
+            num_steps = self.chooser.choose([s.request_id for s in seqs], ceiling)
+        self.last_num_steps = num_steps
         drafts: list[list[int]] = [[] for _ in seqs]
         if num_steps > 0:
             # Never draft past what a request may still output.
@@ -185,6 +197,10 @@ class EngineCore:
         if self.drafter.needs_hidden:
             self._observe(seqs, hidden, [1 + n for n in accepted_per_seq])
         self.stats.record(emitted, proposed_n, accepted_n, verifies)
+        if self.chooser is not None:
+            live = [s.status is not Status.FINISHED for s in seqs]
+            self.chooser.observe([s.request_id for s in seqs], [len(d) for d in drafts], accepted_per_seq, live,
+                                 width - 1, time.perf_counter() - started)
 
     def _observe(self, seqs: list[Sequence], hidden: torch.Tensor, num_valid: list[int]) -> None:
         """Hand the drafter the hidden states of the sequences still running (finished ones are released)."""
@@ -245,8 +261,7 @@ class EngineCore:
         if seq.logits_state is not None:
             seq.logits_state.append(added)
         if reason is not None:  # before the output goes out: a client that sees its end sees it finished
-            seq.status, seq.finish_reason = Status.FINISHED, reason
-            self.drafter.release(seq.request_id)
+            self._release(seq, reason)
         delta = TokenDelta(seq.request_id, added, text, reason, seq.num_prompt_tokens, seq.num_output_tokens)
         if seq.params.logprobs is not None and raw is not None:
             delta.logprobs = self.logprobs.entries(raw, added, seq.params.logprobs)
@@ -255,7 +270,12 @@ class EngineCore:
         seq.emit(delta)
         return len(added)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _release(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.drafter.release(seq.request_id)
+        if self.chooser is not None:
+            self.chooser.release(seq.request_id)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._release(seq, reason)
         seq.emit(TokenDelta(seq.request_id, [], "", reason, seq.num_prompt_tokens, seq.num_output_tokens))

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from ..base import EngineLoad, EngineOverloadedError, GenerateRequest, InvalidRequestError, TokenDelta
+from .adaptive import StepChooser
 from .config import EmbeddedOptions
 from .core import EngineCore
 from .drafters import make_drafter
@@ -56,7 +57,8 @@ def build_core(o: EmbeddedOptions) -> EngineCore:
                            model_name=loaded.name, draft_head=o.draft_head, max_num_seqs=o.max_num_seqs,
                            capacity=cache.capacity)
     return EngineCore(model, loaded.tokenizer, drafter, cache, max_num_seqs=o.max_num_seqs,
-                      max_prefill_tokens=o.max_prefill_tokens, eos_token_ids=eos)
+                      max_prefill_tokens=o.max_prefill_tokens, eos_token_ids=eos,
+                      chooser=StepChooser(o.adaptive) if o.step_policy == "adaptive" else None)
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue):
@@ -218,9 +220,12 @@ class EmbeddedEngine:
         sched = core.scheduler
         # A request that just finished leaves its slot at the end of the step: not running.
         running = sum(1 for s in sched.running if s.status is not Status.FINISHED)
+        chooser = core.chooser
         return EngineLoad(waiting=len(sched.waiting) + max(self._num_waiting, 0), running=running,
                           output_tokens_per_s=tps, accept_rate=accept, num_steps=core.num_steps,
-                          mean_accepted_len=mean_len)
+                          mean_accepted_len=mean_len,
+                          active_num_steps=core.last_num_steps if running else core.num_steps,
+                          mean_num_steps=None if chooser is None else chooser.mean_num_steps())
 
     # -- the step thread --------------------------------------------------------------
     def _loop(self) -> None:

@@ -1,0 +1,78 @@
+"""The engine's per-step draft length under the cluster's ceiling (``step_policy: adaptive``).
+
+The decision is :func:`serve_app.control.steps.choose_steps`, a pure function; this module
+holds what it reads: each running request's acceptance estimate, the engine's, the learned
+step cost and the gate, and feeds them back after every decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from serve_app.control.steps import Acceptance, GateState, StepChoice, StepCost, StepPolicyConfig, choose_steps
+
+
+class StepChooser:
+    def __init__(self, config: StepPolicyConfig, clock=time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.engine = Acceptance(config.engine_half_life)
+        self.cost = StepCost()
+        self.gate = GateState()
+        self.requests: dict[str, Acceptance] = {}
+        self.last: StepChoice | None = None
+        self.reasons: dict[str, int] = {}
+        self.history: deque[tuple[float, int]] = deque()  # (time, k) of recent decode steps
+
+    def prior(self) -> float:
+        return self.engine.estimate(self.config.initial_acceptance, 1.0)
+
+    def estimate(self, request_id: str) -> float:
+        """A request's acceptance: its own drafts, with the engine's estimate as a prior."""
+        own = self.requests.get(request_id)
+        prior = self.prior()
+        return prior if own is None else own.estimate(prior, self.config.prior_trials)
+
+    def choose(self, request_ids: list[str], ceiling: int) -> int:
+        now = self.clock()
+        choice = choose_steps(ceiling, [self.estimate(r) for r in request_ids], self.cost, self.gate, now,
+                              self.config)
+        self.gate, self.last = choice.gate, choice
+        self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
+        self.history.append((now, choice.num_steps))
+        while self.history and self.history[0][0] < now - 5.0:
+            self.history.popleft()
+        return choice.num_steps
+
+    def observe(self, request_ids: list[str], proposed: list[int], accepted: list[int], live: list[bool], k: int,
+                seconds: float) -> None:
+        """After a decode step of ``k`` drafts that took ``seconds``: what each request proposed
+        and had accepted; ``live``: the request still runs (a finished one keeps no estimate)."""
+        for rid, p, n, running in zip(request_ids, proposed, accepted, live, strict=True):
+            if p > 0:
+                self.engine.observe(p, n)
+                if running:
+                    self.requests.setdefault(rid, Acceptance(self.config.request_half_life)).observe(p, n)
+        self.cost.observe(len(request_ids), k, seconds)
+
+    def release(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def mean_num_steps(self) -> float | None:
+        """Mean draft length of the decode steps of the last 5 s (None: no step)."""
+        now = self.clock()
+        recent = [k for t, k in self.history if t >= now - 5.0]
+        return sum(recent) / len(recent) if recent else None
+
+    def state(self) -> dict:
+        """What /v1/speculation and the tests read."""
+        base, per_row = self.cost.coefficients()
+        return {
+            "engine_acceptance": round(self.prior(), 4),
+            "gate_shut": self.gate.shut,
+            "last_reason": None if self.last is None else self.last.reason,
+            "reasons": dict(self.reasons),
+            "step_cost_base_s": base,
+            "step_cost_per_row_s": per_row,
+        }

@@ -1,0 +1,67 @@
+"""The adaptive step policy inside the running engine: the gate shuts on near-zero acceptance
+and speculation comes back when acceptance does."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from serve_app.engines.base import GenerateRequest, SamplingParams
+from serve_app.engines.embedded.engine import EmbeddedEngine
+from serve_app.tools.bench.prompts import PROMPT_SETS
+
+WORDS = "apple river stone cloud seven violet engine harbor quiet lantern".split()
+
+
+@pytest.mark.real_model
+def test_the_gate_shuts_on_near_zero_acceptance_and_speculation_is_back_within_5_s_of_copy_prompts():
+    asyncio.run(_gate_recovers())
+
+
+async def _gate_recovers():
+    engine = EmbeddedEngine(drafter="ngram", step_policy="adaptive", num_threads=1, max_model_len=1024,
+                            max_num_seqs=8)
+    await engine.start()
+    try:
+        engine.core.num_steps = 4  # the cluster's ceiling
+        chooser = engine.core.chooser
+
+        async def run(i: int, prompt: str, temperature: float, n: int) -> None:
+            params = SamplingParams(max_tokens=n, temperature=temperature, top_p=1.0, seed=i, ignore_eos=True)
+            async for _ in engine.generate(GenerateRequest(f"r{i}", prompt=engine.apply_chat_template(
+                    [{"role": "user", "content": prompt}]), params=params)):
+                pass
+
+        # Sampled at a high temperature from a prompt of random words, lookup drafts are all but
+        # never accepted: the gate shuts while these run.
+        rng = random.Random(0)
+        junk = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(4)]
+        shut_seen = False
+        tasks = [asyncio.create_task(run(i, p, 1.5, 80)) for i, p in enumerate(junk)]
+        while not all(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+            shut_seen = shut_seen or chooser.gate.shut
+        await asyncio.gather(*tasks)
+        assert shut_seen, f"the gate never shut: {chooser.state()}"
+        assert chooser.prior() < 0.3
+        probes = chooser.reasons.get("probe", 0)
+
+        # Copy prompts accept most drafts: speculation is back, and stays, within 5 s.
+        started = time.monotonic()
+        tasks = [asyncio.create_task(run(10 + i, p, 0.0, 120)) for i, p in enumerate(PROMPT_SETS["copy"][:4])]
+        back_after = None
+        while not all(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+            if engine.load().active_num_steps and chooser.last.reason == "gain" and not chooser.gate.shut:
+                back_after = time.monotonic() - started
+                break
+        await asyncio.gather(*tasks)
+        assert back_after is not None and back_after < 5.0, (back_after, chooser.state())
+        assert chooser.prior() > 0.5, chooser.state()  # the engine's estimate followed the new traffic
+        assert chooser.reasons["gain"] > 0 and chooser.reasons.get("probe", 0) >= probes
+        assert engine.core.totals["accepted"] > 0
+    finally:
+        await engine.shutdown()
