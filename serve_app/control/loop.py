@@ -27,6 +27,9 @@ class ReplicaReport:
     output_tokens_per_s: float = 0.0
     accept_rate: float = 0.0
     active_num_steps: int | None = None
+    mean_num_steps: float | None = None
+    """Where the engine picks each step's draft length under ``num_steps`` (its ceiling): the
+    mean it ran over its last seconds."""
     switch_failures: int = 0
     last_switch_error: str | None = None
 
@@ -207,6 +210,7 @@ class ControlLoop:
                     "id": r.replica_id,
                     "num_steps": r.num_steps,
                     "active_num_steps": r.num_steps if r.active_num_steps is None else r.active_num_steps,
+                    "mean_num_steps": r.mean_num_steps,
                     "applied_version": r.applied_version,
                     "waiting": r.waiting,
                     "running": r.running,

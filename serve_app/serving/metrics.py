@@ -25,7 +25,14 @@ class ReplicaMetrics:
         self.num_steps = Gauge("specserve_replica_num_steps", "Draft steps commanded to this replica's engine.", keys)
         self.active_num_steps = Gauge(
             "specserve_replica_active_num_steps",
-            "Draft steps this replica's engine ran in its last decode step (a local guard may run fewer).",
+            "Draft steps this replica's engine ran in its last decode step (a local guard or the engine's own "
+            "per-step choice may run fewer than commanded).",
+            keys,
+        )
+        self.mean_num_steps = Gauge(
+            "specserve_replica_mean_num_steps",
+            "Mean draft steps of this replica's decode steps over the last seconds, where its engine picks them per "
+            "step under the commanded ceiling (step_policy: adaptive); else the commanded steps.",
             keys,
         )
         self.switch_failures = Counter(
@@ -58,9 +65,12 @@ class ReplicaMetrics:
         output_tokens_per_s: float = 0.0,
         accept_rate: float = 0.0,
         active_num_steps: int | None = None,
+        mean_num_steps: float | None = None,
     ) -> None:
         self.num_steps.set(num_steps, self._tags)
         self.active_num_steps.set(num_steps if active_num_steps is None else active_num_steps, self._tags)
+        ran = active_num_steps if mean_num_steps is None else mean_num_steps
+        self.mean_num_steps.set(num_steps if ran is None else ran, self._tags)
         self.waiting.set(waiting, self._tags)
         self.running.set(running, self._tags)
         self.output_tokens_per_s.set(output_tokens_per_s, self._tags)

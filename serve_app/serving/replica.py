@@ -133,6 +133,7 @@ class LLMReplica:
                     report.output_tokens_per_s,
                     report.accept_rate,
                     report.active_num_steps,
+                    report.mean_num_steps,
                 )
                 answer = await asyncio.wait_for(self._controller.report.remote(report), 4 * interval)
                 # A switch may wait up to the engine's RPC timeout: apply it beside the loop, one at
@@ -161,6 +162,7 @@ class LLMReplica:
             output_tokens_per_s=load.output_tokens_per_s,
             accept_rate=load.accept_rate,
             active_num_steps=self._num_steps if load.active_num_steps is None else load.active_num_steps,
+            mean_num_steps=load.mean_num_steps,
             switch_failures=self._switch_failures,
             last_switch_error=self._last_switch_error,
         )

@@ -33,6 +33,16 @@ def build() -> gd.Dashboard:
         .height(7)
         .color_scheme(gd.FieldColor().mode(gm.FieldColorModeId.CONTINUOUS_BL_YL_RD))
     )
+    ran = timeseries_panel(
+        "Draft steps: the controller's ceiling and what each engine ran",
+        "short",
+        query(f"max by (replica) (ray_specserve_replica_num_steps{{{APP}}})", "{{replica}} ceiling", "A"),
+        query(f"max by (replica) (ray_specserve_replica_mean_num_steps{{{APP}}})", "{{replica}} ran (mean)", "B"),
+        description="The controller commands a ceiling; an engine with step_policy adaptive picks each decode "
+        "step's draft length under it from its batch, its measured step cost and its acceptance (0 when drafts "
+        "would lose). Without it, ran = ceiling.",
+        span=24,
+    )
     queue = timeseries_panel(
         "Cluster queue against the tier thresholds",
         "short",
@@ -128,6 +138,7 @@ def build() -> gd.Dashboard:
         )
         .with_row(gd.Row("Mode"))
         .with_panel(mode_timeline)
+        .with_panel(ran)
         .with_row(gd.Row("Load"))
         .with_panel(queue)
         .with_panel(replica_load)
