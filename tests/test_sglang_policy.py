@@ -30,7 +30,12 @@ def runtime_stand_ins() -> None:
     utils.log_info_on_rank0 = lambda logger, msg: logger.info(msg)
     overrides = types.ModuleType("sglang.srt.arg_groups.overrides")
     overrides.resolved_view = overrides.resolving_view = lambda server_args: server_args
-    sys.modules.update({utils.__name__: utils, overrides.__name__: overrides})
+    # 0.5.23's adaptive_spec_params imports these two for adaptive_unsupported_reason alone.
+    context = types.ModuleType("sglang.srt.runtime_context")
+    context.attn_dp_enabled_of = lambda server_args: False
+    spec_info = types.ModuleType("sglang.srt.speculative.spec_info")
+    spec_info.SpeculativeAlgorithm = None
+    sys.modules.update({m.__name__: m for m in (utils, overrides, context, spec_info)})
 
 
 @pytest.fixture
@@ -220,3 +225,54 @@ def test_a_publisher_that_cannot_write_never_breaks_the_scheduler(tmp_path):
     assert policy.get_steps_for_batch(4) == 3  # the write fails, logged once; the decode batch goes on
     policy.command(0)
     assert policy.get_steps_for_batch(4) == 0
+
+
+def adaptive_started(sgl, monkeypatch, slots, steps=(0, 1, 3, 5), initial=5, cuda_graph_bs=(1, 2, 4, 8, 16, 32)):
+    """A controller with step_policy adaptive: SGLang's own policy, built from our adaptive
+    config by the release's code, inside ours."""
+    from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+
+    monkeypatch.setenv(plugin.STEP_POLICY_ENV, "adaptive")
+    plugin.install_policy_hook(sgl.AdaptiveController, sgl.release)
+    opts = SGLangOptions(model_path="m", draft_model_path="d", candidate_steps=list(steps), step_policy="adaptive",
+                         adaptive_slots=slots, adaptive_config_dir=str(sgl.tmp))
+    path = str(write_adaptive_config(opts))
+    worker = Worker(initial)
+    if sgl.release.controller_takes_policy:
+        controller = sgl.AdaptiveController(worker, AdaptiveSpeculativeParams(initial, path))
+    else:
+        controller = sgl.AdaptiveController(worker, config_path=path)
+    controller.register(SimpleNamespace(speculative_num_steps=initial))
+    controller.init_states(cuda_graph_bs=list(cuda_graph_bs))
+    return worker, controller.params, controller
+
+
+def test_adaptive_sglangs_own_policy_picks_under_the_ceiling(sgl, monkeypatch):
+    worker, policy, controller = adaptive_started(sgl, monkeypatch, {1: [1, 3, 5], 16: [0, 1]})
+    assert isinstance(policy, CommandedStepsPolicy) and type(policy.inner).__name__ == "AdaptiveSpeculativeParams"
+    assert controller.candidate_steps == [0, 1, 3, 5]
+    policy.command(3)
+    controller.activate_step_by_batch(1)
+    assert worker.speculative_num_steps == 3  # SGLang's slot says 5; the ceiling is 3
+    controller.activate_step_by_batch(16)
+    assert worker.speculative_num_steps == 1  # the batch-size slot of 16 and more picks from [0, 1]
+    controller.activate_step_by_batch(2)
+    for _ in range(40):  # no draft accepted: SGLang's EMA walks down its slot's candidates
+        controller.on_verify_complete([0, 0], batch_size=2)
+        controller.activate_step_by_batch(2)
+    assert worker.speculative_num_steps == 1  # the small-batch slot's lowest
+    for _ in range(60):  # every draft accepted: it climbs back, never past the ceiling
+        controller.on_verify_complete([worker.speculative_num_steps] * 2, batch_size=2)
+        controller.activate_step_by_batch(2)
+    assert worker.speculative_num_steps == 3
+    policy.command(0)
+    controller.activate_step_by_batch(2)
+    assert worker.speculative_num_steps == 0
+    controller.on_verify_complete([0, 0], batch_size=2)  # what SGLang's EMA does never passes it
+    assert worker.speculative_num_steps == 0
+
+
+def test_fixed_keeps_sglangs_policy_out(sgl, monkeypatch):
+    monkeypatch.setenv(plugin.STEP_POLICY_ENV, "fixed")
+    _, policy, _ = started(sgl)
+    assert policy.inner is None

@@ -70,6 +70,16 @@ class SGLangOptions(BaseModel):
     initial_steps: int | None = Field(
         default=None, description="Steps the engine starts with until the controller speaks; default the largest."
     )
+    step_policy: Literal["fixed", "adaptive"] = Field(
+        default="fixed",
+        description="fixed: every decode batch runs the commanded steps; adaptive: the command is a ceiling and "
+        "SGLang's own acceptance-EMA policy (per batch-size slot, adaptive_slots) picks under it.",
+    )
+    adaptive_slots: dict[int, list[int]] | None = Field(
+        default=None,
+        description="step_policy adaptive: SGLang's batch-size slots, {smallest batch size: candidate steps}; "
+        "their union must be candidate_steps. Default: one slot of every candidate for every batch size.",
+    )
     speculative_eagle_topk: Literal[1] = Field(default=1, description="Adaptive speculation needs topk 1.")
     spec_max_batch_size: int | None = Field(
         default=None,
@@ -120,6 +130,13 @@ class SGLangOptions(BaseModel):
     def _check(self) -> SGLangOptions:
         if self.initial_steps is not None and self.initial_steps not in self.candidate_steps:
             raise ValueError(f"initial_steps {self.initial_steps} is not one of candidate_steps {self.candidate_steps}")
+        if self.adaptive_slots is not None:
+            if self.step_policy != "adaptive":
+                raise ValueError("adaptive_slots: only step_policy adaptive reads them")
+            union = sorted({s for steps in self.adaptive_slots.values() for s in steps})
+            if union != self.candidate_steps or min(self.adaptive_slots) < 1 or not all(self.adaptive_slots.values()):
+                raise ValueError(f"adaptive_slots: batch sizes >= 1, each with steps, whose union is candidate_steps "
+                                 f"{self.candidate_steps}; got {self.adaptive_slots}")
         for key, value in self.extra_server_args.items():
             if key in _OWNED:
                 raise ValueError(f"extra_server_args.{key}: set by specserve; use the option of that name instead")
@@ -196,7 +213,11 @@ def local_context_length(model_path: str) -> int | None:
 def adaptive_config(opts: SGLangOptions) -> dict:
     """The ``--speculative-adaptive-config`` JSON. One batch-size slot ("1") holds every candidate,
     so SGLang captures CUDA graphs of every step count for every batch size: the controller,
-    not the batch size, picks the step count."""
+    not the batch size, picks the step count. With ``step_policy: adaptive`` and
+    ``adaptive_slots``, SGLang's own policy picks from each slot's steps (our policy still has
+    every step captured at every batch size, since the ceiling may cap any slot's choice)."""
+    if opts.step_policy == "adaptive" and opts.adaptive_slots:
+        return {str(bs): {"candidate_steps": sorted(steps)} for bs, steps in sorted(opts.adaptive_slots.items())}
     return {"1": {"candidate_steps": list(opts.candidate_steps)}}
 
 

@@ -69,6 +69,7 @@ class SGLangEngine:
         # Inherited by the scheduler processes SGLang spawns.
         os.environ[plugin.ENABLE_ENV] = "1"
         os.environ[plugin.STATE_DIR_ENV] = self._state_dir
+        os.environ[plugin.STEP_POLICY_ENV] = self.opts.step_policy
         if self.opts.draft_context_overwrite:
             os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
         if not self.opts.zero_step_draft_extend:

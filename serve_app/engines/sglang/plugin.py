@@ -7,6 +7,8 @@ Registered under the entry-point group ``sglang.srt.plugins``. SGLang's ``load_p
 1. wraps ``AdaptiveController.__init__`` so every EAGLE worker's controller gets a
    :class:`CommandedStepsPolicy` in place of SGLang's acceptance-EMA policy, the way the
    running release's controller takes its policy (:mod:`serve_app.engines.sglang.compat`);
+   with ``$SPECSERVE_SGLANG_STEP_POLICY`` ``adaptive`` ours keeps SGLang's policy inside it
+   and caps what that picks at the command (the command is a ceiling);
 2. adds ``Scheduler.specserve_set_num_steps(num_steps, max_batch_size)``, which
    ``Engine.collective_rpc`` reaches on every TP rank through ``Scheduler.handle_rpc_request``.
 
@@ -38,6 +40,7 @@ ENTRY_POINT_VALUE = "serve_app.engines.sglang.plugin:register"
 ENABLE_ENV = "SPECSERVE_SGLANG_PLUGIN"
 STATE_DIR_ENV = "SPECSERVE_SGLANG_STATE_DIR"
 RPC_METHOD = "specserve_set_num_steps"
+STEP_POLICY_ENV = "SPECSERVE_SGLANG_STEP_POLICY"
 
 # The policies of the adaptive controllers built in this process (one per scheduler process).
 policies: list[CommandedStepsPolicy] = []
@@ -75,8 +78,10 @@ def install_policy_hook(controller_cls: type, release: compat.Release) -> None:
         )
     publisher = StatePublisher(os.environ.get(STATE_DIR_ENV))
 
-    def commanded_for(worker, candidate_steps) -> CommandedStepsPolicy:
-        policy = CommandedStepsPolicy(candidate_steps, worker.speculative_num_steps, publisher)
+    def commanded_for(worker, own) -> CommandedStepsPolicy:
+        """Ours, in place of SGLang's ``own`` policy (kept inside it under a ceiling)."""
+        inner = own if os.environ.get(STEP_POLICY_ENV) == "adaptive" else None
+        policy = CommandedStepsPolicy(own.candidate_steps, worker.speculative_num_steps, publisher, inner)
         policies.append(policy)
         return policy
 
@@ -84,14 +89,14 @@ def install_policy_hook(controller_cls: type, release: compat.Release) -> None:
 
         @functools.wraps(original)
         def __init__(self, worker, policy):
-            original(self, worker, commanded_for(worker, policy.candidate_steps))
+            original(self, worker, commanded_for(worker, policy))
 
     else:
 
         @functools.wraps(original)
         def __init__(self, worker, config_path=None):
             original(self, worker, config_path)
-            self.params = commanded_for(worker, self.params.candidate_steps)
+            self.params = commanded_for(worker, self.params)
 
     __init__._specserve = True
     controller_cls.__init__ = __init__

@@ -112,14 +112,18 @@ def read_states(folder: Path) -> list[dict]:
 
 
 class CommandedStepsPolicy:
-    """An ``AdaptiveSpecPolicy`` that returns the commanded step count.
+    """An ``AdaptiveSpecPolicy`` that returns the commanded step count, or, given ``inner``
+    (SGLang's own acceptance-EMA policy, ``step_policy: adaptive``), what ``inner`` picks for
+    the batch size capped at the command: the command is then a ceiling.
 
     SGLang calls ``get_steps_for_batch`` before every decode batch and swaps runtime states
     when the answer changes, so a command takes effect at the next decode batch on every TP
     rank (each rank runs its own copy, commanded by the same collective RPC).
     """
 
-    def __init__(self, candidate_steps: list[int], initial_steps: int, publisher: StatePublisher | None = None):
+    def __init__(self, candidate_steps: list[int], initial_steps: int, publisher: StatePublisher | None = None,
+                 inner=None):
+        self.inner = inner
         self._candidate_steps = sorted(set(candidate_steps))
         if initial_steps not in self._candidate_steps:
             raise ValueError(f"initial steps {initial_steps} not in candidate steps {self._candidate_steps}")
@@ -158,6 +162,13 @@ class CommandedStepsPolicy:
 
     def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
         self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
+        if self.inner is not None:  # it pads batch sizes to the captured ones to find its slot
+            self.inner.set_cuda_graph_bs(cuda_graph_bs)
+
+    def _under_ceiling(self, steps: int) -> int:
+        """The largest candidate at most ``steps`` and the command."""
+        cap = min(steps, self.commanded)
+        return max((s for s in self._candidate_steps if s <= cap), default=self._candidate_steps[0])
 
     def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
         # Any step count may be commanded at any batch size: capture every batch size for every step.
@@ -165,7 +176,12 @@ class CommandedStepsPolicy:
 
     def get_steps_for_batch(self, batch_size: int) -> int:
         guarded = self.max_batch_size is not None and batch_size > self.max_batch_size
-        self.active = self._candidate_steps[0] if guarded else self.commanded
+        if guarded:
+            self.active = self._candidate_steps[0]
+        elif self.inner is not None:
+            self.active = self._under_ceiling(self.inner.get_steps_for_batch(batch_size))
+        else:
+            self.active = self.commanded
         self.last_batch_size = batch_size
         self._publisher.maybe_publish(self, time.monotonic())
         return self.active
@@ -173,4 +189,14 @@ class CommandedStepsPolicy:
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         self.stats.record(self.active, num_correct_drafts_per_req)
         self.recent.record(self.active, num_correct_drafts_per_req, time.monotonic())
-        return None  # never switches on its own
+        if self.inner is None:
+            return None  # never switches on its own
+        # SGLang's EMA sees what ran; capped by the ceiling, it sees at most the ceiling's drafts.
+        moved = self.inner.on_verify_complete(num_correct_drafts_per_req, batch_size)
+        if moved is None or self.max_batch_size is not None and batch_size > self.max_batch_size:
+            return None
+        steps = self._under_ceiling(moved)
+        if steps == self.active:
+            return None
+        self.active = steps
+        return steps
