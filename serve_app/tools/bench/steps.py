@@ -1,0 +1,153 @@
+"""``bench steps``: the engine's own choice of draft length against every fixed one, on a mixed
+workload.
+
+One embedded engine serves, per concurrency, the same request sequence under each side in
+turn: ``fixed k`` (every decode step drafts k) for each ``--num-steps``, and ``adaptive``
+(``step_policy: adaptive`` with the largest of them as the ceiling: the engine picks each
+step's draft length, serve_app/control/steps.py). Sides alternate in mirrored rounds, so the
+ratios see the same machine. The engine's learned step cost and acceptance carry over between
+points, as in a running replica.
+
+The workload mixes what acceptance differs on: request i takes the chat prompts when i is
+even and the copy-heavy ones when odd, and every third request samples at temperature 1
+(seeded), the rest greedy. Each row gives tokens/s, latency percentiles and acceptance;
+``vs_best_fixed`` is adaptive's tokens/s over the best fixed side's at that concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import Counter
+
+from tqdm import tqdm
+
+from serve_app.engines.base import GenerateRequest, SamplingParams
+
+from .engine import IGNORE_EOS, Tally, _int_list, closed_loop, mirrored
+from .prompts import PROMPT_SETS, chat_messages
+from .stats import RequestTiming, emit
+
+HELP = "the engine's per-step draft length against every fixed one, on a mixed workload"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--drafter", choices=["ngram", "eagle"], default="eagle")
+    p.add_argument("--weights", default="float32")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32])
+    p.add_argument("--num-steps", type=_int_list, default=[0, 1, 3, 5],
+                   help="the fixed sides; the largest is the adaptive side's ceiling")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=8, help="requests per side and point: max(this, 2 x concurrency)")
+    p.add_argument("--rounds", type=int, default=2, help="mirrored rounds per point (the requests split over them)")
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--out", help="write the results as JSON to this file")
+
+
+def mixed(i: int, rendered: dict[str, list[str]], max_tokens: int) -> tuple[str, SamplingParams]:
+    """Request i of the mixed workload: its prompt and sampling."""
+    prompts = rendered["chat" if i % 2 == 0 else "copy"]
+    sampled = i % 3 == 2
+    return prompts[(i // 2) % len(prompts)], SamplingParams(
+        max_tokens=max_tokens, temperature=1.0 if sampled else 0.0, top_p=1.0, seed=i if sampled else None,
+        ignore_eos=IGNORE_EOS)
+
+
+async def timed(engine, prompt: str, params: SamplingParams, rid: str) -> RequestTiming:
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async for delta in engine.generate(GenerateRequest(rid, prompt=prompt, params=params)):
+        if delta.token_ids:
+            last = time.perf_counter() - t0
+            first = last if first is None else first
+            tokens += len(delta.token_ids)
+    return RequestTiming(tokens, first if first is not None else float("nan"), last if last is not None else float("nan"))
+
+
+def run(args: argparse.Namespace) -> int:
+    result = asyncio.run(benchmark(args))
+    return emit(result, format_report(result), args.out)
+
+
+async def benchmark(args) -> dict:
+    import torch
+
+    from serve_app.control.steps import StepPolicyConfig
+    from serve_app.engines.embedded import EmbeddedEngine, EmbeddedOptions
+    from serve_app.engines.embedded.adaptive import StepChooser
+
+    torch.set_num_threads(args.num_threads)
+    ceiling = max(args.num_steps)
+    engine = EmbeddedEngine(EmbeddedOptions(model=args.model, drafter=args.drafter, weights=args.weights,
+                                            num_threads=args.num_threads, max_num_seqs=max(32, *args.concurrency),
+                                            max_num_steps=max(8, ceiling)))
+    await engine.start()
+    chooser = StepChooser(StepPolicyConfig())
+    rendered = {name: [engine.apply_chat_template(chat_messages(p)) for p in prompts]
+                for name, prompts in PROMPT_SETS.items()}
+    sides = [*(f"fixed {k}" for k in args.num_steps), "adaptive"]
+    counter = iter(range(10**9))
+
+    async def point(side: str, c: int, indices: range, tally: Tally) -> None:
+        engine.core.chooser = chooser if side == "adaptive" else None
+        engine.core.num_steps = ceiling if side == "adaptive" else int(side.split()[1])
+        before = dict(engine.core.totals)
+
+        async def send(i: int) -> RequestTiming:
+            prompt, params = mixed(i, rendered, args.max_tokens)
+            return await timed(engine, prompt, params, f"steps-{next(counter)}")
+
+        await closed_loop(send, c, indices, progress, tally)
+        while engine.core.has_work():
+            await asyncio.sleep(0.001)
+        tally.drafts.update({k: engine.core.totals[k] - before[k] for k in ("proposed", "accepted", "verifies")})
+
+    rows: list[dict] = []
+    total = sum(max(args.requests, 2 * c) for c in args.concurrency) * len(sides)
+    try:
+        with tqdm(total=total, desc="bench steps", unit="req", file=sys.stderr) as progress:
+            for side in sides:  # warm-up: every path once, and the chooser's first cost samples
+                await point(side, 2, range(4), Tally())
+            progress.reset(total)
+            for c in args.concurrency:
+                n = max(args.requests, 2 * c)
+                per_round = -(-n // args.rounds)
+                tallies = {side: Tally() for side in sides}
+                chosen: Counter = Counter()
+                for r, side in mirrored(sides, args.rounds):
+                    progress.set_postfix_str(f"c={c} {side}")
+                    reasons = dict(chooser.reasons)
+                    await point(side, c, range(r * per_round, min(n, (r + 1) * per_round)), tallies[side])
+                    if side == "adaptive":
+                        chosen.update({k: v - reasons.get(k, 0) for k, v in chooser.reasons.items()})
+                best = max((s for s in sides if s != "adaptive"),
+                           key=lambda s: tallies[s].row()["output_tokens_per_s"] or 0)
+                for side in sides:
+                    row = {"concurrency": c, "side": side} | tallies[side].row()
+                    if side == "adaptive":
+                        row["best_fixed"] = best
+                        row["vs_best_fixed"] = round(row["output_tokens_per_s"]
+                                                     / tallies[best].row()["output_tokens_per_s"], 3)
+                        row["step_reasons"] = dict(chosen)
+                    rows.append(row)
+    finally:
+        await engine.shutdown()
+    return {"meta": {"model": args.model, "drafter": args.drafter, "weights": args.weights,
+                     "num_threads": args.num_threads, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                     "ceiling": ceiling, "workload": "request i: chat if i even else copy; temperature 1 if i % 3 == 2",
+                     "chooser": chooser.state()},
+            "rows": rows}
+
+
+def format_report(result: dict) -> str:
+    lines = [f"{'c':>3} {'side':>9} {'tok/s':>8} {'TPOT p50':>9} {'accept':>7}  vs best fixed"]
+    for r in result["rows"]:
+        extra = f"{r['vs_best_fixed']:.3f} ({r['best_fixed']})" if "vs_best_fixed" in r else ""
+        tpot = r.get("tpot_p50_ms")
+        lines.append(f"{r['concurrency']:>3} {r['side']:>9} {r['output_tokens_per_s'] or 0:>8.1f} "
+                     f"{tpot if tpot is not None else float('nan'):>9.1f} {r.get('accept_rate') or 0:>7.2f}  {extra}")
+    return "\n".join(lines)

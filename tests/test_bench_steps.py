@@ -1,0 +1,36 @@
+"""``bench steps`` on the tiny model: every side runs the same mixed requests, and the adaptive
+row says how it compares with the best fixed one."""
+
+from __future__ import annotations
+
+import json
+
+from serve_app.tools.bench.__main__ import main
+from serve_app.tools.bench.steps import mixed
+
+
+def test_the_mixed_workload_alternates_chat_and_copy_and_samples_every_third():
+    rendered = {"chat": ["c0", "c1"], "copy": ["p0", "p1"]}
+    reqs = [mixed(i, rendered, 8) for i in range(6)]
+    assert [p for p, _ in reqs] == ["c0", "p0", "c1", "p1", "c0", "p0"]
+    assert [s.temperature for _, s in reqs] == [0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert reqs[2][1].seed == 2 and reqs[0][1].seed is None
+
+
+def test_bench_steps_runs_every_side_and_compares_adaptive_with_the_best_fixed(tmp_path, capsys):
+    out = tmp_path / "steps.json"
+    assert main(["steps", "--model", "tiny-random", "--drafter", "ngram", "--concurrency", "1,3",
+                 "--num-steps", "0,2", "--requests", "3", "--max-tokens", "8", "--rounds", "2",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["concurrency"], r["side"]) for r in result["rows"]] == [
+        (c, s) for c in (1, 3) for s in ("fixed 0", "fixed 2", "adaptive")]
+    for r in result["rows"]:
+        assert r["num_requests"] == max(3, 2 * r["concurrency"]) and r["output_tokens"] > 0
+    for r in (r for r in result["rows"] if r["side"] == "adaptive"):
+        best = max((x for x in result["rows"] if x["concurrency"] == r["concurrency"] and x["side"] != "adaptive"),
+                   key=lambda x: x["output_tokens_per_s"])
+        assert r["best_fixed"] == best["side"]
+        assert r["vs_best_fixed"] == round(r["output_tokens_per_s"] / best["output_tokens_per_s"], 3)
+        assert sum(r["step_reasons"].values()) > 0
+    assert result["meta"]["ceiling"] == 2 and "vs best fixed" in capsys.readouterr().out
