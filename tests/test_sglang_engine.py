@@ -108,7 +108,7 @@ def sglang(request, monkeypatch, tmp_path):
     monkeypatch.setattr(FakeEngine, "adaptive", True)
     monkeypatch.setattr(FakeEngine, "rpc_error", None)
     monkeypatch.setattr(FakeEngine, "hang", None)
-    for env in (plugin.ENABLE_ENV, plugin.STATE_DIR_ENV):  # restored after the test; start() sets them
+    for env in (plugin.ENABLE_ENV, plugin.STATE_DIR_ENV, plugin.STEP_POLICY_ENV):  # start() sets them; restored after
         monkeypatch.setenv(env, "0")
     return SGLangOptions(
         model_path="m", draft_model_path="d", spec_max_batch_size=128, adaptive_config_dir=str(tmp_path)
@@ -124,7 +124,8 @@ def started(opts):
 def test_start_launches_sglang_with_our_arguments_and_commands_the_initial_steps(sglang):
     eng, fake = started(sglang)
     assert fake.kwargs["speculative_adaptive"] and fake.kwargs["tp_size"] == 8
-    assert fake.rpcs == [(plugin.RPC_METHOD, {"num_steps": 5, "max_batch_size": 128}, False)]  # off the loop thread
+    # off the loop thread
+    assert fake.rpcs == [(plugin.RPC_METHOD, {"num_steps": 5, "max_batch_size": 128, "adaptive": 0}, False)]
     assert engine_mod.os.environ[plugin.ENABLE_ENV] == "1"
     assert eng.load().num_steps == 5
 
@@ -261,10 +262,21 @@ def test_a_dropped_stream_aborts_its_request(sglang):
 def test_set_num_steps_sends_the_command_and_refuses_unknown_step_counts(sglang):
     eng, fake = started(sglang)
     asyncio.run(eng.set_num_steps(0))
-    assert fake.rpcs[-1][:2] == (plugin.RPC_METHOD, {"num_steps": 0, "max_batch_size": 128})
+    assert fake.rpcs[-1][:2] == (plugin.RPC_METHOD, {"num_steps": 0, "max_batch_size": 128, "adaptive": 0})
     assert eng.load().num_steps == 0
     with pytest.raises(ValueError, match="candidate_steps"):
         asyncio.run(eng.set_num_steps(4))
+
+
+def test_the_step_policy_goes_to_the_schedulers_at_start_and_when_changed(sglang):
+    eng, fake = started(sglang.model_copy(update={"step_policy": "adaptive"}))
+    assert engine_mod.os.environ[plugin.STEP_POLICY_ENV] == "adaptive"
+    assert fake.rpcs[-1][1]["adaptive"] == 1
+    asyncio.run(eng.set_step_policy("fixed"))
+    assert fake.rpcs[-1][:2] == (plugin.RPC_METHOD, {"num_steps": 5, "max_batch_size": 128, "adaptive": 0})
+    with pytest.raises(ValueError, match="fixed or adaptive"):
+        asyncio.run(eng.set_step_policy("auto"))
+    assert fake.rpcs[-1][1]["adaptive"] == 0
 
 
 def test_load_takes_the_queue_from_sglang_and_the_steps_run_and_recent_acceptance_from_the_plugin(sglang):

@@ -227,12 +227,13 @@ def test_a_publisher_that_cannot_write_never_breaks_the_scheduler(tmp_path):
     assert policy.get_steps_for_batch(4) == 0
 
 
-def adaptive_started(sgl, monkeypatch, slots, steps=(0, 1, 3, 5), initial=5, cuda_graph_bs=(1, 2, 4, 8, 16, 32)):
+def adaptive_started(sgl, monkeypatch, slots, steps=(0, 1, 3, 5), initial=5, cuda_graph_bs=(1, 2, 4, 8, 16, 32),
+                     env="adaptive"):
     """A controller with step_policy adaptive: SGLang's own policy, built from our adaptive
     config by the release's code, inside ours."""
     from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
 
-    monkeypatch.setenv(plugin.STEP_POLICY_ENV, "adaptive")
+    monkeypatch.setenv(plugin.STEP_POLICY_ENV, env)
     plugin.install_policy_hook(sgl.AdaptiveController, sgl.release)
     opts = SGLangOptions(model_path="m", draft_model_path="d", candidate_steps=list(steps), step_policy="adaptive",
                          adaptive_slots=slots, adaptive_config_dir=str(sgl.tmp))
@@ -272,7 +273,26 @@ def test_adaptive_sglangs_own_policy_picks_under_the_ceiling(sgl, monkeypatch):
     assert worker.speculative_num_steps == 0
 
 
-def test_fixed_keeps_sglangs_policy_out(sgl, monkeypatch):
+def test_fixed_keeps_sglangs_policy_aside_until_the_rpc_turns_it_on(sgl, monkeypatch):
     monkeypatch.setenv(plugin.STEP_POLICY_ENV, "fixed")
-    _, policy, _ = started(sgl)
-    assert policy.inner is None
+    worker, policy, controller = adaptive_started(sgl, monkeypatch, {1: [1, 3, 5], 16: [0, 1]}, env="fixed")
+    assert policy.inner is None and policy.sglang_policy is not None and plugin.policies == [policy]
+    controller.activate_step_by_batch(16)
+    assert worker.speculative_num_steps == 5  # the command, whatever SGLang's slot says
+    plugin.specserve_set_num_steps(None, num_steps=3, max_batch_size=0, adaptive=1)
+    controller.activate_step_by_batch(16)
+    assert worker.speculative_num_steps == 1  # now SGLang's slot picks, under 3
+    plugin.specserve_set_num_steps(None, num_steps=3)  # -1: the policy stays as it is
+    controller.activate_step_by_batch(16)
+    assert worker.speculative_num_steps == 1
+    plugin.specserve_set_num_steps(None, num_steps=3, adaptive=0)
+    controller.activate_step_by_batch(16)
+    assert worker.speculative_num_steps == 3
+
+
+def test_adaptive_without_sglangs_policy_is_refused():
+    with pytest.raises(ValueError, match="SGLang's own policy"):
+        CommandedStepsPolicy([0, 3], 3, adaptive=True)
+    policy = CommandedStepsPolicy([0, 3], 3)
+    with pytest.raises(ValueError, match="did not build"):
+        policy.command(3, adaptive=True)

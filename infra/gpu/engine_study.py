@@ -16,6 +16,13 @@ environment and GPU memory never leak into the next:
   (steps 0 runs no draft-extend; the draft goes cold).
 - ``plain-no-overlap``: the plain engine with ``disable_overlap_schedule``: how much of the plain
   engine's speed is its CPU/GPU overlap, which the speculative worker does not get.
+- ``spec-adaptive``: the specserve engine with ``step_policy: adaptive`` (the command is a
+  ceiling; SGLang's own acceptance-EMA policy picks under it per batch-size slot,
+  ``ADAPTIVE_SLOTS``). Greedy outputs at ceiling 3, and while the policy toggles between fixed
+  and adaptive every 20 ms; speeds at ceiling 3 fixed, ceiling 3 adaptive and 0, side by side
+  in one engine (``set_step_policy``), each with the steps the last batch ran.
+
+``--variants`` picks which run (default: the first four).
 
 Speed: output tokens/s of B concurrent greedy requests of 256 tokens each (ignore_eos), for B
 in 1, 64, 256, after a warm-up at each B (Triton compiles kernels on first use).
@@ -52,7 +59,10 @@ COMMON = {
     "dtype": "bfloat16",
     "log_level": "info",
 }
-VARIANTS = ("plain", "spec", "spec-skip-extend", "plain-no-overlap")
+VARIANTS = ("plain", "spec", "spec-skip-extend", "plain-no-overlap", "spec-adaptive")
+# SGLang's batch-size slots for spec-adaptive: small batches pick among 1 and 3 steps, batches of
+# 64 and more among 0 and 1, of 256 and more run 0.
+ADAPTIVE_SLOTS = {1: [1, 3], 64: [0, 1], 256: [0]}
 
 
 def prompt_ids(tokenizer) -> list[list[int]]:
@@ -142,7 +152,9 @@ async def probe(variant: str, model: str, draft: str) -> dict:
 
     if variant == "spec-skip-extend":
         os.environ["SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"] = "1"
+    adaptive = {"step_policy": "adaptive", "adaptive_slots": ADAPTIVE_SLOTS} if variant == "spec-adaptive" else {}
     opts = SGLangOptions(
+        **adaptive,
         model_path=model,
         draft_model_path=draft,
         tp_size=1,
@@ -168,6 +180,18 @@ async def probe(variant: str, model: str, draft: str) -> dict:
             await se.set_num_steps(3)
             await flush(engine)
             result["greedy"]["steps3_after_switches"] = await greedy(engine, ids, logprobs=False)
+        if variant == "spec-adaptive":
+            await se.set_num_steps(3)
+            await flush(engine)
+            result["greedy"]["adaptive3"] = await greedy(engine, ids, logprobs=False)
+            await flush(engine)
+            result["greedy"]["policy_toggled"] = await toggled(se, engine, ids)
+            for policy, steps in (("fixed", 3), ("adaptive", 3), ("fixed", 0)):
+                await se.set_step_policy(policy)
+                await se.set_num_steps(steps)
+                rows = await speeds(engine, ids, f"{policy} ceiling {steps}", se.policy_states)
+                result["speed"] += [{**r, "num_steps": steps, "step_policy": policy} for r in rows]
+            return result
         for steps in (3, 1, 0) if variant == "spec" else (0, 3):
             await se.set_num_steps(steps)
             rows = await speeds(engine, ids, f"{variant} steps {steps}", se.policy_states)
@@ -185,6 +209,22 @@ async def switched(se, engine, ids) -> list[dict]:
         while True:
             for n in (0, 1, 3):
                 await se.set_num_steps(n)
+                await asyncio.sleep(0.02)
+
+    task = asyncio.create_task(flip())
+    try:
+        return await greedy(engine, ids, logprobs=False)
+    finally:
+        task.cancel()
+
+
+async def toggled(se, engine, ids) -> list[dict]:
+    """Greedy outputs at ceiling 3 while the step policy flips fixed <-> adaptive every 20 ms."""
+
+    async def flip():
+        while True:
+            for policy in ("fixed", "adaptive"):
+                await se.set_step_policy(policy)
                 await asyncio.sleep(0.02)
 
     task = asyncio.create_task(flip())
@@ -232,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--deadline-s", type=float, default=540, help="skip optional variants past this many seconds")
+    ap.add_argument("--variants", default="plain,spec,spec-skip-extend,plain-no-overlap",
+                    help="comma list of the variants to run, in this order")
     args = ap.parse_args(argv)
     if args.command == "probe":
         Path(args.out).write_text(json.dumps(asyncio.run(probe(args.variant, args.model, args.draft))))
@@ -239,7 +281,13 @@ def main(argv: list[str] | None = None) -> int:
 
     start, logs = time.monotonic(), Path(args.out).parent
     probes = {}
-    for variant, optional_after_s in (("plain", None), ("spec", None), ("spec-skip-extend", 300), ("plain-no-overlap", 420)):
+    optional = {"spec-skip-extend": 300, "plain-no-overlap": 420}
+    chosen = args.variants.split(",")
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    for variant in chosen:
+        optional_after_s = optional.get(variant)
         if optional_after_s is not None and time.monotonic() - start > min(optional_after_s, args.deadline_s):
             print(f"skipping {variant}: {time.monotonic() - start:.0f} s gone", flush=True)
             continue
@@ -247,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         probes[variant] = run_probe(variant, args, logs)
     plain = (probes.get("plain") or {}).get("greedy", {})
     spec = (probes.get("spec") or {}).get("greedy", {})
+    adaptive = (probes.get("spec-adaptive") or {}).get("greedy", {})
     greedy_identical = {}
     if plain.get("cold"):
         ref = plain["cold"]
@@ -255,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                 greedy_identical[f"plain {label} vs plain cold"] = compare(outs, ref)
         for label, outs in spec.items():
             greedy_identical[f"spec {label} vs plain cold"] = compare(outs, ref)
+        for label, outs in adaptive.items():
+            greedy_identical[f"spec-adaptive {label} vs plain cold"] = compare(outs, ref)
     if spec.get("steps3"):
         s3 = [{**o, "top2": []} for o in spec["steps3"]]
         for label in ("steps3_again", "steps0", "steps1", "switched", "steps3_after_switches"):

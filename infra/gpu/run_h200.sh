@@ -3,6 +3,7 @@
 #   infra/gpu/run_h200.sh prepare PIECES_DIR   # keep the carried pieces; once all are there, unpack the
 #                                              # bundle (infra/gpu/unpack.sh) and export the models
 #   infra/gpu/run_h200.sh engine  OUT_DIR      # infra/gpu/engine_study.py: lossless greedy output, speed per step count
+#                                              # (VARIANTS=plain,spec-adaptive picks the study's variants)
 #   infra/gpu/run_h200.sh serve   OUT_DIR [plain|app|all [serve_study options]]   (RESULT=, CONFIG= to change names)
 #                                              # infra/gpu/serve_study.py: plain SGLang's table; serve run
 #                                              # configs/gpu-h200.yaml, the openai client, the tables, the ramp
@@ -45,7 +46,8 @@ EOF
     mkdir -p "$dir"
     rc=0
     python3 infra/gpu/engine_study.py all --model "$gpu/hf/target" --draft "$gpu/hf/draft" \
-      --out "$dir/engine.json" --deadline-s "${DEADLINE_S:-480}" 2>&1 | tee "$dir/engine.log" || rc=$?
+      --out "$dir/engine.json" --deadline-s "${DEADLINE_S:-480}" \
+      --variants "${VARIANTS:-plain,spec,spec-skip-extend,plain-no-overlap}" 2>&1 | tee "$dir/engine.log" || rc=$?
     [ -f "$dir/engine.json" ] && cp "$dir/engine.json" "$gpu/engine.json"
     if [ -f "$gpu/gpu_sglang_h200.json" ]; then  # a serve part ran first: give its result these figures
       python3 infra/gpu/serve_study.py --part engine --model "$gpu/hf/target" --engine-json "$gpu/engine.json" \

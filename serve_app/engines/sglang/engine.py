@@ -51,6 +51,7 @@ class SGLangEngine:
         self.release: compat.Release | None = None
         self._engine: Any = None
         self._num_steps = opts.start_steps
+        self._adaptive = opts.step_policy == "adaptive"
         self._rpc_lock = asyncio.Lock()
         # collective_rpc has no timeout: a call that timed out may still be blocked in its ZMQ
         # receive. It owns the socket until it returns, so no second call may start before.
@@ -168,7 +169,8 @@ class SGLangEngine:
                     pass
             # A blocking send/recv plus a barrier on every TP rank: keep it off the event loop.
             self._rpc_pending = self._rpc_pool.submit(
-                self._engine.collective_rpc, plugin.RPC_METHOD, num_steps=num_steps, max_batch_size=guard
+                self._engine.collective_rpc, plugin.RPC_METHOD, num_steps=num_steps, max_batch_size=guard,
+                adaptive=int(self._adaptive),
             )
             try:
                 await self._await_rpc(
@@ -179,6 +181,18 @@ class SGLangEngine:
             except AssertionError as e:  # collective_rpc asserts success with the scheduler's message
                 raise EngineError(f"SGLang schedulers refused {plugin.RPC_METHOD}({num_steps}): {e}") from e
         self._num_steps = num_steps
+
+    async def set_step_policy(self, step_policy: str) -> None:
+        """``fixed`` or ``adaptive`` from the next decode batch (SGLang's policy picks under the
+        command), without a restart."""
+        if step_policy not in ("fixed", "adaptive"):
+            raise ValueError(f"step_policy must be fixed or adaptive, got {step_policy!r}")
+        previous, self._adaptive = self._adaptive, step_policy == "adaptive"
+        try:
+            await self.set_num_steps(self._num_steps)
+        except Exception:
+            self._adaptive = previous
+            raise
 
     async def _await_rpc(self, timeout: float, unanswered: str) -> None:
         """Wait for the pending RPC at most ``timeout``; past it, SwitchTimeoutError (the call

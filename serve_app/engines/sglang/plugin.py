@@ -7,8 +7,9 @@ Registered under the entry-point group ``sglang.srt.plugins``. SGLang's ``load_p
 1. wraps ``AdaptiveController.__init__`` so every EAGLE worker's controller gets a
    :class:`CommandedStepsPolicy` in place of SGLang's acceptance-EMA policy, the way the
    running release's controller takes its policy (:mod:`serve_app.engines.sglang.compat`);
-   with ``$SPECSERVE_SGLANG_STEP_POLICY`` ``adaptive`` ours keeps SGLang's policy inside it
-   and caps what that picks at the command (the command is a ceiling);
+   ours keeps SGLang's policy inside it and, with ``$SPECSERVE_SGLANG_STEP_POLICY``
+   ``adaptive`` (or the RPC's ``adaptive=1``), caps what that picks at the command (the
+   command is then a ceiling);
 2. adds ``Scheduler.specserve_set_num_steps(num_steps, max_batch_size)``, which
    ``Engine.collective_rpc`` reaches on every TP rank through ``Scheduler.handle_rpc_request``.
 
@@ -79,9 +80,9 @@ def install_policy_hook(controller_cls: type, release: compat.Release) -> None:
     publisher = StatePublisher(os.environ.get(STATE_DIR_ENV))
 
     def commanded_for(worker, own) -> CommandedStepsPolicy:
-        """Ours, in place of SGLang's ``own`` policy (kept inside it under a ceiling)."""
-        inner = own if os.environ.get(STEP_POLICY_ENV) == "adaptive" else None
-        policy = CommandedStepsPolicy(own.candidate_steps, worker.speculative_num_steps, publisher, inner)
+        """Ours, in place of SGLang's ``own`` policy (kept inside it, to pick under a ceiling)."""
+        adaptive = os.environ.get(STEP_POLICY_ENV) == "adaptive"
+        policy = CommandedStepsPolicy(own.candidate_steps, worker.speculative_num_steps, publisher, own, adaptive)
         policies.append(policy)
         return policy
 
@@ -102,11 +103,13 @@ def install_policy_hook(controller_cls: type, release: compat.Release) -> None:
     controller_cls.__init__ = __init__
 
 
-def specserve_set_num_steps(scheduler, num_steps: int, max_batch_size: int = 0) -> None:
+def specserve_set_num_steps(scheduler, num_steps: int, max_batch_size: int = 0, adaptive: int = -1) -> None:
     """Scheduler method behind ``collective_rpc("specserve_set_num_steps", ...)``.
 
     Runs inside the scheduler loop between batches, so the next decode batch sees it.
-    ``max_batch_size`` 0 means no guard (RPC parameters must be flat scalars).
+    ``max_batch_size`` 0 means no guard; ``adaptive`` 1 lets SGLang's policy pick under
+    ``num_steps``, 0 runs ``num_steps`` as commanded, -1 keeps what was (RPC parameters must
+    be flat scalars).
     """
     if not policies:
         raise RuntimeError(
@@ -114,4 +117,4 @@ def specserve_set_num_steps(scheduler, num_steps: int, max_batch_size: int = 0) 
             "--speculative-adaptive or built the EAGLE worker before the plugin loaded"
         )
     for policy in policies:
-        policy.command(int(num_steps), int(max_batch_size) or None)
+        policy.command(int(num_steps), int(max_batch_size) or None, None if int(adaptive) < 0 else bool(adaptive))

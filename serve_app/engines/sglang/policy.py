@@ -112,9 +112,9 @@ def read_states(folder: Path) -> list[dict]:
 
 
 class CommandedStepsPolicy:
-    """An ``AdaptiveSpecPolicy`` that returns the commanded step count, or, given ``inner``
-    (SGLang's own acceptance-EMA policy, ``step_policy: adaptive``), what ``inner`` picks for
-    the batch size capped at the command: the command is then a ceiling.
+    """An ``AdaptiveSpecPolicy`` that returns the commanded step count, or, while ``adaptive``
+    (``step_policy: adaptive``), what SGLang's own acceptance-EMA policy (``sglang_policy``)
+    picks for the batch size, capped at the command: the command is then a ceiling.
 
     SGLang calls ``get_steps_for_batch`` before every decode batch and swaps runtime states
     when the answer changes, so a command takes effect at the next decode batch on every TP
@@ -122,8 +122,10 @@ class CommandedStepsPolicy:
     """
 
     def __init__(self, candidate_steps: list[int], initial_steps: int, publisher: StatePublisher | None = None,
-                 inner=None):
-        self.inner = inner
+                 sglang_policy=None, adaptive: bool = False):
+        if adaptive and sglang_policy is None:
+            raise ValueError("adaptive steps need SGLang's own policy")
+        self.sglang_policy, self.adaptive = sglang_policy, adaptive
         self._candidate_steps = sorted(set(candidate_steps))
         if initial_steps not in self._candidate_steps:
             raise ValueError(f"initial steps {initial_steps} not in candidate steps {self._candidate_steps}")
@@ -138,10 +140,20 @@ class CommandedStepsPolicy:
 
     # -- specserve side -------------------------------------------------------------------
 
-    def command(self, num_steps: int, max_batch_size: int | None = None) -> None:
-        """Set the step count for the next decode batches (and the batch-size guard)."""
+    @property
+    def inner(self):
+        """SGLang's policy while it picks under the ceiling; else None."""
+        return self.sglang_policy if self.adaptive else None
+
+    def command(self, num_steps: int, max_batch_size: int | None = None, adaptive: bool | None = None) -> None:
+        """Set the step count for the next decode batches (and the batch-size guard); with
+        ``adaptive`` given, whether SGLang's policy picks under it from now on."""
         if num_steps not in self._candidate_steps:
             raise ValueError(f"num_steps {num_steps} is not a candidate step count {self._candidate_steps}")
+        if adaptive is not None:
+            if adaptive and self.sglang_policy is None:
+                raise ValueError("adaptive steps need SGLang's own policy, which this controller did not build")
+            self.adaptive = adaptive
         if num_steps != self.commanded:
             logger.info(
                 "specserve: num_steps %d -> %d (accepted %.2f drafts/request/step at %d)",
@@ -162,8 +174,8 @@ class CommandedStepsPolicy:
 
     def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
         self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
-        if self.inner is not None:  # it pads batch sizes to the captured ones to find its slot
-            self.inner.set_cuda_graph_bs(cuda_graph_bs)
+        if self.sglang_policy is not None and hasattr(self.sglang_policy, "set_cuda_graph_bs"):
+            self.sglang_policy.set_cuda_graph_bs(cuda_graph_bs)  # it pads batch sizes to the captured ones
 
     def _under_ceiling(self, steps: int) -> int:
         """The largest candidate at most ``steps`` and the command."""
