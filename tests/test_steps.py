@@ -16,11 +16,11 @@ from serve_app.control.steps import (
 CFG = StepPolicyConfig()
 
 
-def fitted(base: float, per_row: float) -> StepCost:
+def fitted(base: float, per_row: float, per_draft: float = 0.0) -> StepCost:
     cost = StepCost()
     for batch in (1, 2, 4, 8, 16):
         for k in (0, 1, 3):
-            cost.observe(batch, k, base + per_row * batch * (1 + k))
+            cost.observe(batch, k, base + per_row * batch * (1 + k) + per_draft * k)
     return cost
 
 
@@ -49,11 +49,15 @@ def test_acceptance_is_the_geometric_maximum_likelihood_and_forgets():
     assert quick.estimate(0.0, 0.0) > 0.9  # recent evidence dominates
 
 
-def test_step_cost_fits_base_and_per_row_and_keeps_the_prior_shape_before():
-    cost = fitted(0.010, 0.001)
-    base, per_row = cost.coefficients()
-    assert base == pytest.approx(0.010, rel=1e-6) and per_row == pytest.approx(0.001, rel=1e-6)
-    assert cost.seconds(8, 3) == pytest.approx(0.010 + 0.001 * 32)
+def test_step_cost_fits_base_per_row_and_per_draft_and_keeps_the_prior_shape_before():
+    cost = fitted(0.010, 0.001, 0.004)
+    base, per_row, per_draft = cost.coefficients()
+    assert (base, per_row, per_draft) == pytest.approx((0.010, 0.001, 0.004), rel=1e-6)
+    assert cost.seconds(8, 3) == pytest.approx(0.010 + 0.001 * 32 + 0.004 * 3)
+    rows_only = StepCost()
+    for batch in (1, 4, 16):  # k never varies: no draft term to fit
+        rows_only.observe(batch, 0, 0.010 + 0.001 * batch)
+    assert rows_only.coefficients() == pytest.approx((0.010, 0.001, 0.0), rel=1e-6)
     one = StepCost(prior_rows=10.0)
     for _ in range(3):
         one.observe(1, 0, 0.011)
@@ -93,7 +97,7 @@ def test_ceiling_zero_or_an_empty_batch_is_plain_and_opens_the_gate():
 
 def test_the_gate_shuts_on_low_acceptance_probes_each_interval_and_reopens():
     cost = fitted(0.010, 0.001)
-    cfg = StepPolicyConfig(probe_interval_s=1.0, probe_steps=2)
+    cfg = StepPolicyConfig(probe_interval_s=1.0, probe_steps=2, probe_every_steps=1)
     low = [0.01] * 4
     c = choose_steps(4, low, cost, GateState(), 10.0, cfg)
     assert (c.num_steps, c.reason, c.gate.shut) == (0, "gate", True)
@@ -115,3 +119,14 @@ def test_min_gain_keeps_a_marginal_draft_off():
     assert 1.0 < gains / plain < 1.5
     assert choose_steps(3, accs, cost, GateState(), 0.0, StepPolicyConfig(min_gain=1.0)).num_steps > 0
     assert choose_steps(3, accs, cost, GateState(), 0.0, StepPolicyConfig(min_gain=1.5)).num_steps == 0
+
+
+def test_slow_steps_probe_at_most_one_step_in_probe_every_steps():
+    cost = fitted(0.010, 0.001)
+    cfg = StepPolicyConfig(probe_interval_s=1.0, probe_every_steps=4)
+    gate, kinds = GateState(), []
+    for step in range(13):  # a step every 2 s: every step is past the interval
+        c = choose_steps(4, [0.01] * 4, cost, gate, 2.0 * step, cfg)
+        gate = c.gate
+        kinds.append(c.reason)
+    assert kinds == ["gate", "gate", "gate", "gate", "probe"] + ["gate"] * 3 + ["probe"] + ["gate"] * 3 + ["probe"]

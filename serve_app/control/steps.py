@@ -7,8 +7,8 @@ what the engine knows at that moment:
 
 - the acceptance estimate of every sequence in the batch (:class:`Acceptance`, an exponential
   moving average per request that starts from the engine's own);
-- the cost of a step of ``batch`` sequences fed ``1 + k`` tokens each (:class:`StepCost`,
-  learned online from the engine's own steps).
+- the cost of a step of ``batch`` sequences fed ``1 + k`` tokens each, drafted in ``k``
+  sequential draft passes (:class:`StepCost`, learned online from the engine's own steps).
 
 A sequence whose drafts are accepted with probability ``a`` each (the first rejection ends the
 run) gains ``1 + a + ... + a^k`` tokens from a verify of ``k`` drafts. The choice maximizes the
@@ -17,8 +17,9 @@ draft length serves the whole batch; sequences whose own cap is lower (a per-req
 ``max_steps``, a long prompt, the end of ``max_tokens``) draft less inside it.
 
 The gate: when the estimates make every ``k > 0`` lose, speculation stops and the estimates
-stop moving. Every ``probe_interval_s`` one step drafts ``probe_steps`` tokens anyway, so a
-change of traffic (copy-heavy prompts after chat) is seen and speculation comes back.
+stop moving. Every ``probe_interval_s``, and no more often than one step in
+``probe_every_steps``, one step drafts ``probe_steps`` tokens anyway, so a change of traffic
+(copy-heavy prompts after chat) is seen and speculation comes back.
 
 Pure: no torch, no clock, no I/O. The engine owns the state objects and the time.
 """
@@ -26,7 +27,7 @@ Pure: no torch, no clock, no I/O. The engine owns the state objects and the time
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import Field
 
@@ -38,6 +39,8 @@ class StepPolicyConfig(Strict):
 
     probe_interval_s: float = Field(1.0, gt=0, description="while the gate is shut, one probing step this often")
     probe_steps: int = Field(2, ge=1, description="draft tokens of a probing step (capped by the ceiling)")
+    probe_every_steps: int = Field(
+        10, ge=1, description="while the gate is shut, at most one probing step in this many (slow steps probe less)")
     min_gain: float = Field(1.02, ge=1.0, description="k > 0 must beat plain decoding by this factor")
     prior_trials: float = Field(
         2.0, ge=0, description="weight, in draft tokens, of the engine's acceptance in a new request's estimate")
@@ -81,56 +84,78 @@ class Acceptance:
         return (self.accepted + prior * prior_trials) / total if total > 0 else prior
 
 
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """x with a·x = b (Gaussian elimination, partial pivoting); None if a is singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12 * max(1.0, max(abs(v) for row in a for v in row)):
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
 @dataclass(slots=True)
 class StepCost:
-    """Seconds per decode step as ``base + per_row · rows``, rows = batch × (1 + k), fitted to
+    """Seconds per decode step as ``base + per_row · batch · (1 + k) + per_draft · k``, fitted to
     the engine's own steps by decayed least squares.
 
     A CPU step reads every weight once (``base``) and computes each fed row (``per_row``); a
-    GPU step below its compute roof is nearly flat in rows. Before two distinct row counts
-    have been seen, ``prior_rows`` says how many rows double the cost of one.
+    GPU step below its compute roof is nearly flat in rows. A drafter runs ``k`` passes one
+    after the other (``per_draft``). Until the steps seen pin down all three, the fit keeps
+    the prior's shape: ``prior_rows`` rows double the cost of one, drafting costs nothing extra.
     """
 
     prior_rows: float = 16.0
     half_life: float = 200.0
     n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    sums: list[float] = field(default_factory=lambda: [0.0] * 9)
+    """Decayed sums of x_i·x_j (i <= j, x = (1, rows, k)) and of x_i·y."""
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         if seconds <= 0:
             return
         keep = 0.5 ** (1.0 / self.half_life)
-        x = float(batch * (1 + k))
-        self.n, self.sx, self.sy = self.n * keep + 1, self.sx * keep + x, self.sy * keep + seconds
-        self.sxx, self.sxy = self.sxx * keep + x * x, self.sxy * keep + x * seconds
+        x = (1.0, float(batch * (1 + k)), float(k))
+        terms = [x[0] * x[1], x[0] * x[2], x[1] * x[1], x[1] * x[2], x[2] * x[2], x[0] * seconds, x[1] * seconds,
+                 x[2] * seconds, 1.0]
+        self.sums = [s * keep + t for s, t in zip(self.sums, terms, strict=True)]
+        self.n = self.sums[8]
 
-    def coefficients(self) -> tuple[float, float]:
-        """(base, per_row) in seconds; relative units (base 1) before any step was seen."""
+    def coefficients(self) -> tuple[float, float, float]:
+        """(base, per_row, per_draft) in seconds; relative units (base 1) before any step was seen."""
         if self.n <= 0:
-            return 1.0, 1.0 / self.prior_rows
-        mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mean_x * mean_x
-        if var <= 1e-9 * max(1.0, mean_x * mean_x):  # one row count seen: the prior's shape, scaled
-            base = mean_y / (1.0 + mean_x / self.prior_rows)
-            return base, base / self.prior_rows
-        per_row = max((self.sxy / self.n - mean_x * mean_y) / var, 0.0)
-        base = max(mean_y - per_row * mean_x, 0.05 * mean_y)
-        return base, per_row
+            return 1.0, 1.0 / self.prior_rows, 0.0
+        s01, s02, s11, s12, s22, y0, y1, y2, n = self.sums
+        full = _solve([[n, s01, s02], [s01, s11, s12], [s02, s12, s22]], [y0, y1, y2])
+        if full is not None and min(full) >= 0:
+            return full[0], full[1], full[2]
+        two = _solve([[n, s01], [s01, s11]], [y0, y1])  # k never varied apart from rows: no draft term
+        if two is not None and min(two) >= 0:
+            return two[0], two[1], 0.0
+        # One row count seen (or a fit that goes negative): the prior's shape, scaled to the mean.
+        mean_x, mean_y = s01 / n, y0 / n
+        base = mean_y / (1.0 + mean_x / self.prior_rows)
+        return base, base / self.prior_rows, 0.0
 
     def seconds(self, batch: int, k: int) -> float:
-        base, per_row = self.coefficients()
-        return base + per_row * batch * (1 + k)
+        base, per_row, per_draft = self.coefficients()
+        return base + per_row * batch * (1 + k) + per_draft * k
 
 
 @dataclass(slots=True)
 class GateState:
-    """The gate's memory: whether speculation is shut for low acceptance, and the last probe."""
+    """The gate's memory: whether speculation is shut for low acceptance, the last probe, and
+    the steps since it."""
 
     shut: bool = False
     last_probe_at: float | None = None
+    steps_since_probe: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -154,7 +179,7 @@ def choose_steps(ceiling: int, acceptances: Sequence[float], cost: StepCost, gat
     second; 0 unless it beats plain decoding by ``min_gain``. While that keeps speculation
     off, a probing step of ``probe_steps`` drafts runs every ``probe_interval_s``."""
     if ceiling <= 0 or not acceptances:
-        return StepChoice(0, "ceiling", GateState(False, gate.last_probe_at))
+        return StepChoice(0, "ceiling", GateState(False, gate.last_probe_at, gate.steps_since_probe + 1))
     plain = rate(acceptances, 0, cost)
     best_k, best = 0, plain
     for k in range(1, ceiling + 1):
@@ -162,10 +187,11 @@ def choose_steps(ceiling: int, acceptances: Sequence[float], cost: StepCost, gat
         if r > best:
             best_k, best = k, r
     if best_k > 0 and best >= config.min_gain * plain:
-        return StepChoice(best_k, "gain", GateState(False, gate.last_probe_at), best)
+        return StepChoice(best_k, "gain", GateState(False, gate.last_probe_at, gate.steps_since_probe + 1), best)
     if not gate.shut:  # the gate shuts now; the first probe is due one interval later
-        return StepChoice(0, "gate", GateState(True, now), plain)
-    if gate.last_probe_at is None or now - gate.last_probe_at >= config.probe_interval_s:
+        return StepChoice(0, "gate", GateState(True, now, 0), plain)
+    due = gate.last_probe_at is None or now - gate.last_probe_at >= config.probe_interval_s
+    if due and gate.steps_since_probe + 1 >= config.probe_every_steps:
         k = min(ceiling, config.probe_steps)
-        return StepChoice(k, "probe", GateState(True, now), rate(acceptances, k, cost))
-    return StepChoice(0, "gate", gate, plain)
+        return StepChoice(k, "probe", GateState(True, now, 0), rate(acceptances, k, cost))
+    return StepChoice(0, "gate", GateState(True, gate.last_probe_at, gate.steps_since_probe + 1), plain)

@@ -67,7 +67,7 @@ class StepChooser:
 
     def state(self) -> dict:
         """What /v1/speculation and the tests read."""
-        base, per_row = self.cost.coefficients()
+        base, per_row, per_draft = self.cost.coefficients()
         return {
             "engine_acceptance": round(self.prior(), 4),
             "gate_shut": self.gate.shut,
@@ -75,4 +75,5 @@ class StepChooser:
             "reasons": dict(self.reasons),
             "step_cost_base_s": base,
             "step_cost_per_row_s": per_row,
+            "step_cost_per_draft_s": per_draft,
         }
