@@ -63,6 +63,8 @@ VARIANTS = ("plain", "spec", "spec-skip-extend", "plain-no-overlap", "spec-adapt
 # SGLang's batch-size slots for spec-adaptive: small batches pick among 1 and 3 steps, batches of
 # 64 and more among 0 and 1, of 256 and more run 0.
 ADAPTIVE_SLOTS = {1: [1, 3], 64: [0, 1], 256: [0]}
+if os.environ.get("SPECSERVE_ADAPTIVE_SLOTS"):  # JSON {"batch size": [steps]} to try other slots
+    ADAPTIVE_SLOTS = {int(k): v for k, v in json.loads(os.environ["SPECSERVE_ADAPTIVE_SLOTS"]).items()}
 
 
 def prompt_ids(tokenizer) -> list[list[int]]:
@@ -110,8 +112,10 @@ async def speeds(engine, ids, label: str, states=None) -> list[dict]:
     for b in BATCHES:
         await speed(engine, ids, b, tokens=16)  # warm-up: Triton kernels and graphs of this size
         row = await speed(engine, ids, b)
-        if states is not None:  # what the plugin's policy saw in the last 5 s
-            recent = (states() or [{}])[0].get("recent", {})
+        if states is not None:  # what the plugin's policy saw in the last 5 s, and ran last
+            state = (states() or [{}])[0]
+            row["ran_last_batch"] = state.get("active")
+            recent = state.get("recent", {})
             if recent.get("verified"):
                 row["accepted_per_verify"] = round(recent["accepted"] / recent["verified"], 3)
         rows.append({"engine": label, **row})
@@ -191,6 +195,7 @@ async def probe(variant: str, model: str, draft: str) -> dict:
                 await se.set_num_steps(steps)
                 rows = await speeds(engine, ids, f"{policy} ceiling {steps}", se.policy_states)
                 result["speed"] += [{**r, "num_steps": steps, "step_policy": policy} for r in rows]
+            result["adaptive_slots"] = {str(k): v for k, v in ADAPTIVE_SLOTS.items()}
             return result
         for steps in (3, 1, 0) if variant == "spec" else (0, 3):
             await se.set_num_steps(steps)
