@@ -20,7 +20,8 @@ environment and GPU memory never leak into the next:
   ceiling; SGLang's own acceptance-EMA policy picks under it per batch-size slot,
   ``ADAPTIVE_SLOTS``). Greedy outputs at ceiling 3, and while the policy toggles between fixed
   and adaptive every 20 ms; speeds at ceiling 3 fixed, ceiling 3 adaptive and 0, side by side
-  in one engine (``set_step_policy``), each with the steps the last batch ran.
+  in one engine (``set_step_policy``), in mirrored repeats (``side_by_side``), each with the
+  steps its last batch ran.
 
 ``--variants`` picks which run (default: the first four).
 
@@ -190,11 +191,7 @@ async def probe(variant: str, model: str, draft: str) -> dict:
             result["greedy"]["adaptive3"] = await greedy(engine, ids, logprobs=False)
             await flush(engine)
             result["greedy"]["policy_toggled"] = await toggled(se, engine, ids)
-            for policy, steps in (("fixed", 3), ("adaptive", 3), ("fixed", 0)):
-                await se.set_step_policy(policy)
-                await se.set_num_steps(steps)
-                rows = await speeds(engine, ids, f"{policy} ceiling {steps}", se.policy_states)
-                result["speed"] += [{**r, "num_steps": steps, "step_policy": policy} for r in rows]
+            result["speed"] = await side_by_side(se, engine, ids)
             result["adaptive_slots"] = {str(k): v for k, v in ADAPTIVE_SLOTS.items()}
             return result
         for steps in (3, 1, 0) if variant == "spec" else (0, 3):
@@ -221,6 +218,38 @@ async def switched(se, engine, ids) -> list[dict]:
         return await greedy(engine, ids, logprobs=False)
     finally:
         task.cancel()
+
+
+SIDES = (("fixed", 3), ("adaptive", 3), ("fixed", 0))
+REPEATS = 4
+
+
+async def side_by_side(se, engine, ids) -> list[dict]:
+    """Per batch size, each side (step policy, ceiling) ``REPEATS`` times in mirrored order
+    (fixed 3, adaptive 3, 0, 0, adaptive 3, fixed 3, ...), so that the machine's drift weighs on
+    each alike; a row sums its repeats and keeps each one's tokens/s and the steps it ran last."""
+    rows = []
+    for b in BATCHES:
+        tally = {side: {"output_tokens": 0, "wall_s": 0.0, "each": [], "ran": []} for side in SIDES}
+        for r in range(REPEATS):
+            for policy, steps in SIDES if r % 2 == 0 else SIDES[::-1]:
+                await se.set_step_policy(policy)
+                await se.set_num_steps(steps)
+                if r == 0:
+                    await speed(engine, ids, b, tokens=16)  # warm-up at this size and setting
+                row = await speed(engine, ids, b)
+                t = tally[(policy, steps)]
+                t["output_tokens"] += row["output_tokens"]
+                t["wall_s"] += row["wall_s"]
+                t["each"].append(row["output_tokens_per_s"])
+                t["ran"].append((se.policy_states() or [{}])[0].get("active"))
+        for (policy, steps), t in tally.items():
+            rows.append({"engine": f"{policy} ceiling {steps}", "batch": b, "step_policy": policy, "num_steps": steps,
+                         "output_tokens_per_s": round(t["output_tokens"] / t["wall_s"], 1),
+                         "each_tokens_per_s": t["each"], "ran_last_batch": t["ran"]})
+            print(f"  {policy} ceiling {steps} batch {b}: {rows[-1]['output_tokens_per_s']} tok/s, ran {t['ran']}",
+                  flush=True)
+    return rows
 
 
 async def toggled(se, engine, ids) -> list[dict]:
