@@ -34,7 +34,9 @@ class Llama:
         blocks = blocks or {}
 
         def t(name):
-            return state[name].to(device=device, dtype=dtype).contiguous()
+            # A copy: a tensor loaded from safetensors is a view of the file's mapping, and
+            # one kept view (the embedding) would keep the whole file mapped.
+            return state[name].to(device=device, dtype=dtype, copy=True).contiguous()
 
         def linear(names, bias=None, fmt=weights):
             weight = torch.cat([t(n) for n in names])
