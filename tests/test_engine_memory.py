@@ -50,6 +50,9 @@ def test_fit_shrinks_only_below_half_and_keeps_what_the_slots_hold():
     assert (cache.rows, cache.length) == (ROW_CHUNK, 2 * POS_CHUNK)
     assert all(torch.equal(a, b) for a, b in zip(before, held(cache, 6, 300), strict=True))
     assert cache.fit(0, 0) and cache.nbytes() == 0
+    half = filled_cache(16, 512)
+    assert not half.fit(8, 512)  # exactly half: kept for the next arrivals
+    assert half.fit(8, 256) and (half.rows, half.length) == (8, 256)
 
 
 def test_the_engine_cache_grows_with_the_requests_and_is_released_when_they_finish():
