@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import engine, faults, report, serve, trace
+from . import engine, faults, memory, report, serve, trace
 
-COMMANDS = {"engine": engine, "serve": serve, "trace": trace, "report": report, "faults": faults}
+COMMANDS = {"engine": engine, "serve": serve, "trace": trace, "report": report, "faults": faults, "memory": memory}
 
 
 def main(argv: list[str] | None = None) -> int:
