@@ -22,7 +22,7 @@ from .adaptive import StepChooser
 from .config import EmbeddedOptions
 from .core import EngineCore
 from .drafters import make_drafter
-from .kv_cache import KVCache
+from .kv_cache import KVCache, release_free_heap
 from .logits import LogitsState
 from .model import Llama
 from .quant import gguf_q4_1_blocks
@@ -56,9 +56,12 @@ def build_core(o: EmbeddedOptions) -> EngineCore:
     drafter = make_drafter(o.drafter, ngram_max=o.ngram_max, ngram_min=o.ngram_min, model=model,
                            model_name=loaded.name, draft_head=o.draft_head, max_num_seqs=o.max_num_seqs,
                            capacity=cache.capacity)
-    return EngineCore(model, loaded.tokenizer, drafter, cache, max_num_seqs=o.max_num_seqs,
+    core = EngineCore(model, loaded.tokenizer, drafter, cache, max_num_seqs=o.max_num_seqs,
                       max_prefill_tokens=o.max_prefill_tokens, eos_token_ids=eos,
                       chooser=StepChooser(o.adaptive) if o.step_policy == "adaptive" else None)
+    del loaded, blocks  # the loaded weights: the model holds its own copies
+    release_free_heap()
+    return core
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue):

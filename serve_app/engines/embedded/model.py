@@ -34,7 +34,9 @@ class Llama:
         blocks = blocks or {}
 
         def t(name):
-            return state[name].to(device=device, dtype=dtype).contiguous()
+            # A copy: a tensor loaded from safetensors is a view of the file's mapping, and
+            # one kept view (the embedding) would keep the whole file mapped.
+            return state[name].to(device=device, dtype=dtype, copy=True).contiguous()
 
         def linear(names, bias=None, fmt=weights):
             weight = torch.cat([t(n) for n in names])
@@ -84,6 +86,7 @@ class Llama:
         B, q = tokens.shape
         pos = lens[:, None] + torch.arange(q, device=tokens.device)  # [B, q]
         L = padded_length(int(lens.max()) + q)
+        cache.reserve(slot0 + B, L)
         visible = torch.arange(L, device=tokens.device)[None, None, :] <= pos[:, :, None]  # [B, q, L]
         cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, q, 1, D]
         rows = torch.arange(slot0, slot0 + B, device=tokens.device)[:, None].expand(B, q)
@@ -100,7 +103,7 @@ class Llama:
             xk = qkv[..., nq:nq + nkv].view(B, q, s.num_kv_heads, d)
             xv = qkv[..., nq + nkv:].view(B, q, s.num_kv_heads, d)
             xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
-            k_cache, v_cache = cache.layer(i)  # [S, KV, T, D]
+            k_cache, v_cache = cache.layer(i)  # [rows, KV, length, D]
             k_cache[rows, :, pos] = xk
             v_cache[rows, :, pos] = xv
             attn = attend(xq, k_cache[slot0:slot0 + B, :, :L], v_cache[slot0:slot0 + B, :, :L], visible)

@@ -56,7 +56,8 @@ class Scheduler:
         return batch
 
     def remove_finished(self) -> None:
-        """Drop finished sequences and compact the rest into slots 0..N-1 (decoding first)."""
+        """Drop finished sequences, compact the rest into slots 0..N-1 (decoding first) and
+        let the cache shrink to them."""
         if not any(s.status is Status.FINISHED for s in self.running):
             return
         keep = [s for s in self.running if s.status is Status.DECODING]
@@ -66,6 +67,7 @@ class Scheduler:
             self.cache.move(seq.slot, new_slot, seq.num_cached)
             seq.slot = new_slot
         self.running = keep
+        self.cache.fit(len(keep), max((s.num_cached for s in keep), default=0))
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.waiting):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import engine, faults, report, serve, steps, trace
+from . import engine, faults, memory, report, serve, steps, trace
 
-COMMANDS = {"engine": engine, "steps": steps, "serve": serve, "trace": trace, "report": report, "faults": faults}
+COMMANDS = {"engine": engine, "steps": steps, "serve": serve, "trace": trace, "report": report, "faults": faults,
+            "memory": memory}
 
 
 def main(argv: list[str] | None = None) -> int:
