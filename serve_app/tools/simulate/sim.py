@@ -55,8 +55,8 @@ class SimOptions:
     step_policy: StepPolicyConfig = field(default_factory=StepPolicyConfig)
     """How a two-level engine picks k (min_gain, the gate's probes)."""
     ceiling: str = "ladder"
-    """two-level: ``ladder`` (the cluster ladder's num_steps) or ``top`` (its top tier always:
-    the engine alone decides)."""
+    """two-level: ``ladder`` (the cluster ladder's num_steps) or ``top`` (the most steps the
+    simulation knows, ``spec_steps`` or the ladder's top, always: the engine alone decides)."""
     spec_steps: int | None = None
     """num_steps of the ``spec`` policy (default: the top tier of the ladder)."""
     dt_s: float = 0.02
