@@ -1,0 +1,166 @@
+"""``simulate steps``: the two-level policy against the cluster ladder alone, behind docs/simulation.md.
+
+A workload of request classes (default chat 0.5 at acceptance 0.55, copy-heavy 0.3 at 0.9,
+sampled 0.2 at 0.3) on the seed and roofline curves:
+
+- acceptance: off, spec, dynamic (the cluster ladder alone), two-level (the ladder's num_steps is
+  the ceiling, each engine picks k under it), two-level with the engine's top as the ceiling,
+  and both again on a ladder calibrated for the class mix; over the study's bursty trace and a
+  sweep of constant loads;
+- off_cost: the bursty trace on the roofline with num_steps 0 in the speculative engine as
+  fast as a plain engine, then at SGLang's measured speeds; static off is a plain engine.
+
+Writes ``bench/results/sim_two_level.json`` and ``docs/img/sim_two_level.png``, ``docs/img/sim_off_cost.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from serve_app.control.config import ControllerOptions
+
+from .curves import OFF_COSTS, load_curve
+from .policies import curve_policy
+from .sim import SimOptions, Simulation
+from .study import BURST_AT, HIGH, LOW
+from .traces import DEFAULT_CLASSES, bursty, parse_classes
+
+KEYS = ("output_tokens_per_s", "goodput_tokens_per_s", "ttft_p99_ms", "tpot_p50_ms", "tpot_p50_low_load_ms",
+        "tpot_p50_high_load_ms", "switches", "time_in_mode", "time_in_ceiling", "classes", "requests", "wall_s")
+# (label, policy, ceiling, ladder calibrated for the class mix and off_cost)
+VARIANTS = {
+    "off": ("off", "ladder", False),
+    "spec": ("spec", "ladder", False),
+    "dynamic": ("dynamic", "ladder", False),
+    "two-level": ("two-level", "ladder", False),
+    "two-level top": ("two-level", "top", False),
+    "dynamic mix-ladder": ("dynamic", "ladder", True),
+    "two-level mix-ladder": ("two-level", "ladder", True),
+}
+SWEEP_VARIANTS = ("off", "dynamic", "two-level", "two-level top", "dynamic mix-ladder")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--curves", default="seed-8gpu-pcie,h200-8b-roofline")
+    p.add_argument("--classes", default=DEFAULT_CLASSES, help="name:share:acceptance,...")
+    p.add_argument("--replicas", type=int, default=256)
+    p.add_argument("--duration", type=float, default=150.0, help="the bursty trace's seconds")
+    p.add_argument("--loads", default="0.1,0.3,0.5,0.7,0.9", help="constant loads of the sweep (of capacity)")
+    p.add_argument("--sweep-duration", type=float, default=30.0)
+    p.add_argument("--off-cost-replicas", type=int, default=64)
+    p.add_argument("--dt", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/sim_two_level.json")
+    p.add_argument("--img", default="docs/img")
+
+
+def simulate(curve, classes, variant: str, replicas: int, duration: float, low: float, high: float, args,
+             off_cost: dict | None = None) -> dict:
+    policy_name, ceiling, mix = VARIANTS[variant]
+    curve.off_cost = dict(off_cost or {})
+    spec = max(curve.steps)
+    ladder = curve_policy(curve, spec, classes, True) if mix else curve_policy(curve, spec)
+    rps = replicas * curve.capacity() / curve.output_tokens
+    trace = bursty(rps, duration, curve.output_tokens, args.seed, low=low, high=high, period_s=1e9, burst_s=60,
+                   first_burst_s=BURST_AT if high != low else 1e9)
+    opts = SimOptions(replicas=replicas, policy=policy_name, spec_steps=spec, dt_s=args.dt, seed=args.seed,
+                      classes=classes, ceiling=ceiling)
+    started = time.perf_counter()
+    s = Simulation(curve, trace, ladder, ControllerOptions(report_interval_s=0.25, stale_after_s=1.0), opts).run()
+    out = {k: v for k, v in s.summary().items() if k in KEYS}
+    out["ladder"] = [[t.below, t.num_steps] for t in ladder.tiers]
+    print(f"{curve.name:16s} {replicas:4d} load {low}/{high} off_cost {curve.off_cost or 1.0} {variant:20s} "
+          f"tok/s/replica {out['output_tokens_per_s'] / replicas:8.0f} goodput {out['goodput_tokens_per_s'] / replicas:8.0f} "
+          f"TPOT p50 {out['tpot_p50_ms']} TTFT p99 {out['ttft_p99_ms']} ({time.perf_counter() - started:.1f} s)",
+          flush=True)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    classes = parse_classes(args.classes)
+    results: dict = {"meta": {
+        "command": "python -m serve_app.tools.simulate steps",
+        "classes": [c.__dict__ for c in classes],
+        "replicas": args.replicas, "duration_s": args.duration, "sweep_duration_s": args.sweep_duration,
+        "dt_s": args.dt, "bursty": {"low": LOW, "high": HIGH, "burst_at_s": BURST_AT, "burst_s": 60},
+        "variants": {k: dict(zip(("policy", "ceiling", "ladder_for_mix"), v, strict=True)) for k, v in VARIANTS.items()},
+    }, "curves": {}}
+    n = args.replicas
+    for name in args.curves.split(","):
+        curve = load_curve(name)
+        results["curves"][name] = {
+            "curve": curve.describe(),
+            "bursty": {v: simulate(curve, classes, v, n, args.duration, LOW, HIGH, args) for v in VARIANTS},
+            "sweep": {str(x): {v: simulate(curve, classes, v, n, args.sweep_duration, x, x, args) for v in SWEEP_VARIANTS}
+                      for x in (float(s) for s in args.loads.split(","))},
+        }
+    roof = load_curve("h200-8b-roofline")
+    m = args.off_cost_replicas
+    results["off_cost"] = {"replicas": m, "costs": {k: OFF_COSTS[k] for k in OFF_COSTS}, "runs": {}}
+    results["off_cost"]["runs"]["off"] = simulate(roof, classes, "off", m, args.duration, LOW, HIGH, args)
+    for cost in OFF_COSTS:
+        results["off_cost"]["runs"][cost] = {
+            v: simulate(roof, classes, v, m, args.duration, LOW, HIGH, args, OFF_COSTS[cost])
+            for v in ("dynamic", "two-level", "dynamic mix-ladder", "two-level mix-ladder")
+        }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    plot(results, Path(args.img))
+    return 0
+
+
+def plot(results: dict, img: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    curves = list(results["curves"])
+    fig, axes = plt.subplots(1, len(curves) + 1, figsize=(5 * (len(curves) + 1), 3.8))
+    for ax, name in zip(axes, curves, strict=False):
+        sweep = results["curves"][name]["sweep"]
+        loads = [float(x) for x in sweep]
+        for v in SWEEP_VARIANTS[1:]:
+            ratio = [sweep[x][v]["goodput_tokens_per_s"] / max(sweep[x]["dynamic"]["goodput_tokens_per_s"], 1e-9)
+                     for x in sweep]
+            ax.plot(loads, ratio, "o-", label=v)
+        ax.axhline(1.05, color="grey", ls=":", lw=1)
+        ax.set_title(f"{name}: goodput / dynamic's")
+        ax.set_xlabel("constant load (of capacity)")
+        ax.legend(fontsize=8)
+    ax = axes[-1]
+    labels = list(VARIANTS)
+    for i, name in enumerate(curves):
+        b = results["curves"][name]["bursty"]
+        ax.bar([j + (i - 0.5) * 0.4 for j in range(len(labels))],
+               [b[v]["goodput_tokens_per_s"] / max(b["dynamic"]["goodput_tokens_per_s"], 1e-9) for v in labels],
+               0.4, label=name)
+    ax.axhline(1.05, color="grey", ls=":", lw=1)
+    ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=8)
+    ax.set_title("bursty trace: goodput / dynamic's")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(img / "sim_two_level.png", dpi=110)
+    plt.close(fig)
+
+    runs = results["off_cost"]["runs"]
+    off = runs["off"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    costs = list(OFF_COSTS)
+    variants = list(runs[costs[0]])
+    for key, ax, title in (("goodput_tokens_per_s", axes[0], "goodput / static off's (plain engine)"),
+                           ("output_tokens_per_s", axes[1], "tokens/s / static off's")):
+        for i, v in enumerate(variants):
+            ax.bar([j + (i - 1.5) * 0.2 for j in range(len(costs))],
+                   [runs[c][v][key] / max(off[key], 1e-9) for c in costs], 0.2, label=v)
+        ax.axhline(1.0, color="grey", ls=":", lw=1)
+        ax.set_xticks(range(len(costs)), [f"off_cost {c}" for c in costs], fontsize=8)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(img / "sim_off_cost.png", dpi=110)
+    plt.close(fig)
