@@ -5,8 +5,11 @@ sampled 0.2 at 0.3) on the seed and roofline curves:
 
 - acceptance: off, spec, dynamic (the cluster ladder alone), two-level (the ladder's num_steps is
   the ceiling, each engine picks k under it), two-level with the engine's top as the ceiling,
-  and both again on a ladder calibrated for the class mix; over the study's bursty trace and a
-  sweep of constant loads;
+  and both again on a ladder calibrated for the class mix; over the study's bursty trace (goodput
+  also by phase), a sweep of constant loads (goodput of the requests arriving after a warm-up:
+  every policy serves the offered load, so tokens/s only tell them apart past saturation) and
+  a sweep of closed-loop clients per replica (tokens/s and goodput in a window: throughput at a
+  given concurrency);
 - off_cost: the bursty trace on the roofline with num_steps 0 in the speculative engine as
   fast as a plain engine, then at SGLang's measured speeds; static off is a plain engine.
 
@@ -20,11 +23,13 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+
 from serve_app.control.config import ControllerOptions
 
 from .curves import OFF_COSTS, load_curve
 from .policies import curve_policy
-from .sim import SimOptions, Simulation
+from .sim import ClosedLoop, SimOptions, Simulation
 from .study import BURST_AT, HIGH, LOW
 from .traces import DEFAULT_CLASSES, bursty, parse_classes
 
@@ -41,6 +46,16 @@ VARIANTS = {
     "two-level mix-ladder": ("two-level", "ladder", True),
 }
 SWEEP_VARIANTS = ("off", "dynamic", "two-level", "two-level top", "dynamic mix-ladder")
+CLOSED_VARIANTS = ("off", "dynamic", "two-level", "two-level top")
+WARMUP_S = 10.0
+
+
+def good_tokens(sim, mask) -> float:
+    """Output tokens of the requests in ``mask`` whose TPOT meets the run's SLO."""
+    r = sim.req
+    tpot = (r.finish - r.first) / np.maximum(r.output_tokens - 1, 1)
+    slo = sim.opts.slo_tpot_s or sim.default_slo_tpot()
+    return float(r.output_tokens[mask & np.isfinite(r.finish) & (tpot <= slo)].sum())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=256)
     p.add_argument("--duration", type=float, default=150.0, help="the bursty trace's seconds")
     p.add_argument("--loads", default="0.1,0.3,0.5,0.7,0.9", help="constant loads of the sweep (of capacity)")
-    p.add_argument("--sweep-duration", type=float, default=30.0)
+    p.add_argument("--sweep-duration", type=float, default=40.0, help="seconds of each sweep point (10 s warm-up)")
+    p.add_argument("--clients", default="1,8,32,128,256", help="closed-loop clients per replica")
     p.add_argument("--off-cost-replicas", type=int, default=64)
     p.add_argument("--dt", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
@@ -58,21 +74,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def simulate(curve, classes, variant: str, replicas: int, duration: float, low: float, high: float, args,
-             off_cost: dict | None = None) -> dict:
+             off_cost: dict | None = None, clients: int | None = None) -> dict:
+    """One run: the bursty trace (low != high), a constant load (low == high: goodput also of
+    the arrivals after the warm-up) or ``clients`` closed-loop clients per replica (tokens/s
+    and goodput of the requests finished between the warm-up and ``duration``)."""
     policy_name, ceiling, mix = VARIANTS[variant]
     curve.off_cost = dict(off_cost or {})
     spec = max(curve.steps)
     ladder = curve_policy(curve, spec, classes, True) if mix else curve_policy(curve, spec)
-    rps = replicas * curve.capacity() / curve.output_tokens
-    trace = bursty(rps, duration, curve.output_tokens, args.seed, low=low, high=high, period_s=1e9, burst_s=60,
-                   first_burst_s=BURST_AT if high != low else 1e9)
+    warmup = WARMUP_S
+    if clients:  # warm-up and window of several requests' time at this concurrency, plain decoding
+        request_s = clients * curve.output_tokens / curve.throughput(clients, 0)
+        warmup, window = max(WARMUP_S, 2 * request_s), max(duration - WARMUP_S, 4 * request_s)
+        duration = warmup + window
+        total = replicas * clients
+        workload = ClosedLoop(total, total * (int(3 * duration / request_s) + 4), int(curve.output_tokens))
+    else:
+        rps = replicas * curve.capacity() / curve.output_tokens
+        workload = bursty(rps, duration, curve.output_tokens, args.seed, low=low, high=high, period_s=1e9,
+                          burst_s=60, first_burst_s=BURST_AT if high != low else 1e9)
     opts = SimOptions(replicas=replicas, policy=policy_name, spec_steps=spec, dt_s=args.dt, seed=args.seed,
-                      classes=classes, ceiling=ceiling)
+                      classes=classes, ceiling=ceiling, drain_s=duration if clients else 600.0,
+                      timeline_s=1.0 if clients else None)
     started = time.perf_counter()
-    s = Simulation(curve, trace, ladder, ControllerOptions(report_interval_s=0.25, stale_after_s=1.0), opts).run()
+    s = Simulation(curve, workload, ladder, ControllerOptions(report_interval_s=0.25, stale_after_s=1.0), opts).run()
     out = {k: v for k, v in s.summary().items() if k in KEYS}
     out["ladder"] = [[t.below, t.num_steps] for t in ladder.tiers]
-    print(f"{curve.name:16s} {replicas:4d} load {low}/{high} off_cost {curve.off_cost or 1.0} {variant:20s} "
+    r = s.req
+    if clients:  # tokens decoded in the window; goodput: that × the share of good tokens among requests done in it
+        done = (r.finish >= warmup) & (r.finish < duration)
+        decoded = s.tokens_between(warmup, duration) / window
+        share = good_tokens(s, done) / max(float(r.output_tokens[done].sum()), 1.0)
+        out["window_s"] = [round(warmup, 1), round(duration, 1)]
+        out["window_tokens_per_s"] = round(decoded, 1)
+        out["window_goodput_tokens_per_s"] = round(decoded * share, 1)
+        out["output_tokens_per_s"], out["goodput_tokens_per_s"] = out["window_tokens_per_s"], out[
+            "window_goodput_tokens_per_s"]
+    elif high == low:
+        out["steady_goodput_tokens_per_s"] = round(good_tokens(s, r.arrival >= WARMUP_S) / (duration - WARMUP_S), 1)
+    else:
+        spans = {"low": (0.0, BURST_AT), "burst_first_10s": (BURST_AT, BURST_AT + 10),
+                 "burst_rest": (BURST_AT + 10, BURST_AT + 60), "after": (BURST_AT + 60, duration)}
+        out["good_tokens_by_phase"] = {
+            k: [good_tokens(s, (r.arrival >= a) & (r.arrival < b)), float(r.output_tokens[(r.arrival >= a) & (r.arrival < b)].sum())]
+            for k, (a, b) in spans.items()}
+    print(f"{curve.name:16s} {replicas:4d} {f'clients {clients}' if clients else f'load {low}/{high}'} off_cost {curve.off_cost or 1.0} {variant:20s} "
           f"tok/s/replica {out['output_tokens_per_s'] / replicas:8.0f} goodput {out['goodput_tokens_per_s'] / replicas:8.0f} "
           f"TPOT p50 {out['tpot_p50_ms']} TTFT p99 {out['ttft_p99_ms']} ({time.perf_counter() - started:.1f} s)",
           flush=True)
@@ -96,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
             "bursty": {v: simulate(curve, classes, v, n, args.duration, LOW, HIGH, args) for v in VARIANTS},
             "sweep": {str(x): {v: simulate(curve, classes, v, n, args.sweep_duration, x, x, args) for v in SWEEP_VARIANTS}
                       for x in (float(s) for s in args.loads.split(","))},
+            "closed": {str(c): {v: simulate(curve, classes, v, n, args.sweep_duration, 0, 0, args, clients=c)
+                                for v in CLOSED_VARIANTS}
+                       for c in (int(s) for s in args.clients.split(","))},
         }
     roof = load_curve("h200-8b-roofline")
     m = args.off_cost_replicas
@@ -120,19 +169,31 @@ def plot(results: dict, img: Path) -> None:
 
     img.mkdir(parents=True, exist_ok=True)
     curves = list(results["curves"])
-    fig, axes = plt.subplots(1, len(curves) + 1, figsize=(5 * (len(curves) + 1), 3.8))
-    for ax, name in zip(axes, curves, strict=False):
+    fig, axes = plt.subplots(2, len(curves) + 1, figsize=(5 * (len(curves) + 1), 7.2))
+    for i, name in enumerate(curves):
         sweep = results["curves"][name]["sweep"]
-        loads = [float(x) for x in sweep]
+        closed = results["curves"][name]["closed"]
+        ax = axes[0, i]
         for v in SWEEP_VARIANTS[1:]:
-            ratio = [sweep[x][v]["goodput_tokens_per_s"] / max(sweep[x]["dynamic"]["goodput_tokens_per_s"], 1e-9)
-                     for x in sweep]
-            ax.plot(loads, ratio, "o-", label=v)
+            ratio = [sweep[x][v]["steady_goodput_tokens_per_s"]
+                     / max(sweep[x]["dynamic"]["steady_goodput_tokens_per_s"], 1e-9) for x in sweep]
+            ax.plot([float(x) for x in sweep], ratio, "o-", label=v)
+        ax.set_title(f"{name}: goodput / dynamic's", fontsize=9)
+        ax.set_xlabel("constant load (of capacity), arrivals after 10 s")
+        ax.legend(fontsize=7)
+        ax = axes[1, i]
+        for v in CLOSED_VARIANTS[1:]:
+            for key, style in (("window_tokens_per_s", "o-"), ("window_goodput_tokens_per_s", "s--")):
+                ratio = [closed[c][v][key] / max(closed[c]["dynamic"][key], 1e-9) for c in closed]
+                ax.plot([int(c) for c in closed], ratio, style, label=f"{v}, {key.split('_')[1]}")
+        ax.set_xscale("log")
+        ax.set_title(f"{name}: closed loop, / dynamic's", fontsize=9)
+        ax.set_xlabel("clients per replica")
+        ax.legend(fontsize=7)
+    for ax in axes.flat:
         ax.axhline(1.05, color="grey", ls=":", lw=1)
-        ax.set_title(f"{name}: goodput / dynamic's")
-        ax.set_xlabel("constant load (of capacity)")
-        ax.legend(fontsize=8)
-    ax = axes[-1]
+    axes[1, -1].axis("off")
+    ax = axes[0, -1]
     labels = list(VARIANTS)
     for i, name in enumerate(curves):
         b = results["curves"][name]["bursty"]
