@@ -27,7 +27,7 @@ import numpy as np
 
 from serve_app.control.config import ControllerOptions
 
-from .curves import OFF_COSTS, load_curve
+from .curves import OFF_COSTS, load_curve, seed_8gpu_pcie
 from .policies import curve_policy
 from .sim import ClosedLoop, SimOptions, Simulation
 from .study import BURST_AT, HIGH, LOW
@@ -59,18 +59,19 @@ def good_tokens(sim, mask) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--curves", default="seed-8gpu-pcie,h200-8b-roofline")
+    p.add_argument("--curves", default="seed-8gpu-pcie,h200-8b-roofline",
+                   help="presets; seed-8gpu-pcie@A: the seed with acceptance A per draft token assumed")
     p.add_argument("--classes", default=DEFAULT_CLASSES, help="name:share:acceptance,...")
     p.add_argument("--replicas", type=int, default=256)
     p.add_argument("--duration", type=float, default=150.0, help="the bursty trace's seconds")
     p.add_argument("--loads", default="0.1,0.3,0.5,0.7,0.9", help="constant loads of the sweep (of capacity)")
     p.add_argument("--sweep-duration", type=float, default=40.0, help="seconds of each sweep point (10 s warm-up)")
     p.add_argument("--clients", default="1,8,32,128,256", help="closed-loop clients per replica")
-    p.add_argument("--off-cost-replicas", type=int, default=64)
+    p.add_argument("--off-cost-replicas", type=int, default=64, help="0: no off_cost runs")
     p.add_argument("--dt", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/sim_two_level.json")
-    p.add_argument("--img", default="docs/img")
+    p.add_argument("--img", default="docs/img", help="none: no plots")
 
 
 def simulate(curve, classes, variant: str, replicas: int, duration: float, low: float, high: float, args,
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     }, "curves": {}}
     n = args.replicas
     for name in args.curves.split(","):
-        curve = load_curve(name)
+        curve = seed_8gpu_pcie(float(name.split("@")[1])) if name.startswith("seed-8gpu-pcie@") else load_curve(name)
         results["curves"][name] = {
             "curve": curve.describe(),
             "bursty": {v: simulate(curve, classes, v, n, args.duration, LOW, HIGH, args) for v in VARIANTS},
@@ -146,6 +147,75 @@ def run(args: argparse.Namespace) -> int:
                                 for v in CLOSED_VARIANTS}
                        for c in (int(s) for s in args.clients.split(","))},
         }
+    m = args.off_cost_replicas
+    if m:
+        off_cost_runs(results, classes, args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print("\n".join(tables(results)))
+    if args.img != "none":
+        plot(results, Path(args.img))
+    return 0
+
+
+def tables(results: dict) -> list[str]:
+    """The comparison tables of docs/simulation.md, in markdown; goodput and tokens/s per replica."""
+    n = results["meta"]["replicas"]
+    lines = []
+    for name, r in results["curves"].items():
+        b, dyn = r["bursty"], r["bursty"]["dynamic"]
+        lines += [f"\n{name}, {n} replicas, bursty trace", "",
+                  "| policy | goodput tok/s | / dynamic | goodput low / burst (share of tokens) | tok/s | / dynamic | "
+                  "TPOT p50 low / high ms | TTFT p99 ms | time in k |", "|---|---|---|---|---|---|---|---|---|"]
+        for v, x in b.items():
+            ph = x["good_tokens_by_phase"]
+            low = (ph["low"][0] + ph["after"][0]) / max(ph["low"][1] + ph["after"][1], 1)
+            burst = (ph["burst_first_10s"][0] + ph["burst_rest"][0]) / max(ph["burst_first_10s"][1] + ph["burst_rest"][1], 1)
+            modes = ", ".join(f"{k}: {t:.2f}" for k, t in x["time_in_mode"].items() if t >= 0.01)
+            lines.append(
+                f"| {v} | {x['goodput_tokens_per_s'] / n:,.0f} | {x['goodput_tokens_per_s'] / max(dyn['goodput_tokens_per_s'], 1e-9):.3f} "
+                f"| {low:.2f} / {burst:.2f} | {x['output_tokens_per_s'] / n:,.0f} "
+                f"| {x['output_tokens_per_s'] / max(dyn['output_tokens_per_s'], 1e-9):.3f} "
+                f"| {x['tpot_p50_low_load_ms']} / {x['tpot_p50_high_load_ms']} | {x['ttft_p99_ms']:,.0f} | {modes} |")
+        sweep = r["sweep"]
+        variants = list(next(iter(sweep.values())))
+        lines += [f"\n{name}, {n} replicas, constant load: goodput of arrivals after {WARMUP_S:.0f} s, "
+                  "tok/s per replica (/ dynamic's)", "", "| load | " + " | ".join(variants) + " |",
+                  "|---" * (len(variants) + 1) + "|"]
+        for x, row in sweep.items():
+            d = max(row["dynamic"]["steady_goodput_tokens_per_s"], 1e-9)
+            lines.append(f"| {x} | " + " | ".join(
+                f"{row[v]['steady_goodput_tokens_per_s'] / n:,.0f} ({row[v]['steady_goodput_tokens_per_s'] / d:.2f})"
+                for v in variants) + " |")
+        closed = r["closed"]
+        variants = list(next(iter(closed.values())))
+        lines += [f"\n{name}, {n} replicas, closed loop: tok/s and goodput per replica in the window (/ dynamic's)",
+                  "", "| clients per replica | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+        for c, row in closed.items():
+            dt, dg = (max(row["dynamic"][k], 1e-9) for k in ("window_tokens_per_s", "window_goodput_tokens_per_s"))
+            lines.append(f"| {c} | " + " | ".join(
+                f"{row[v]['window_tokens_per_s'] / n:,.0f} ({row[v]['window_tokens_per_s'] / dt:.3f}); "
+                f"{row[v]['window_goodput_tokens_per_s'] / n:,.0f} ({row[v]['window_goodput_tokens_per_s'] / dg:.2f})"
+                for v in variants) + " |")
+    if "off_cost" in results:
+        oc = results["off_cost"]
+        m, off = oc["replicas"], oc["runs"]["off"]
+        lines += [f"\noff_cost, h200-8b-roofline, {m} replicas, bursty trace: goodput per replica (/ static off's); "
+                  "tok/s (/ static off's); TTFT p99 s", "",
+                  f"static off (plain engine): {off['goodput_tokens_per_s'] / m:,.0f}; {off['output_tokens_per_s'] / m:,.0f}; "
+                  f"{off['ttft_p99_ms'] / 1000:.1f}", ""]
+        variants = list(oc["runs"][next(iter(oc["costs"]))])
+        lines += ["| off_cost | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+        for cost in oc["costs"]:
+            row = oc["runs"][cost]
+            lines.append(f"| {cost} | " + " | ".join(
+                f"{row[v]['goodput_tokens_per_s'] / m:,.0f} ({row[v]['goodput_tokens_per_s'] / off['goodput_tokens_per_s']:.2f}); "
+                f"{row[v]['output_tokens_per_s'] / m:,.0f} ({row[v]['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}); "
+                f"{row[v]['ttft_p99_ms'] / 1000:.1f}" for v in variants) + " |")
+    return lines
+
+
+def off_cost_runs(results: dict, classes, args) -> None:
     roof = load_curve("h200-8b-roofline")
     m = args.off_cost_replicas
     results["off_cost"] = {"replicas": m, "costs": {k: OFF_COSTS[k] for k in OFF_COSTS}, "runs": {}}
@@ -155,10 +225,6 @@ def run(args: argparse.Namespace) -> int:
             v: simulate(roof, classes, v, m, args.duration, LOW, HIGH, args, OFF_COSTS[cost])
             for v in ("dynamic", "two-level", "dynamic mix-ladder", "two-level mix-ladder")
         }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    plot(results, Path(args.img))
-    return 0
 
 
 def plot(results: dict, img: Path) -> None:
