@@ -158,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ratio(x: float, base: float, digits: int = 2) -> str:
+    return f"{x / base:.{digits}f}" if base >= 1.0 else "–"
+
+
 def tables(results: dict) -> list[str]:
     """The comparison tables of docs/simulation.md, in markdown; goodput and tokens/s per replica."""
     n = results["meta"]["replicas"]
@@ -183,19 +187,19 @@ def tables(results: dict) -> list[str]:
                   "tok/s per replica (/ dynamic's)", "", "| load | " + " | ".join(variants) + " |",
                   "|---" * (len(variants) + 1) + "|"]
         for x, row in sweep.items():
-            d = max(row["dynamic"]["steady_goodput_tokens_per_s"], 1e-9)
+            d = row["dynamic"]["steady_goodput_tokens_per_s"]
             lines.append(f"| {x} | " + " | ".join(
-                f"{row[v]['steady_goodput_tokens_per_s'] / n:,.0f} ({row[v]['steady_goodput_tokens_per_s'] / d:.2f})"
+                f"{row[v]['steady_goodput_tokens_per_s'] / n:,.0f} ({_ratio(row[v]['steady_goodput_tokens_per_s'], d)})"
                 for v in variants) + " |")
         closed = r["closed"]
         variants = list(next(iter(closed.values())))
         lines += [f"\n{name}, {n} replicas, closed loop: tok/s and goodput per replica in the window (/ dynamic's)",
                   "", "| clients per replica | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
         for c, row in closed.items():
-            dt, dg = (max(row["dynamic"][k], 1e-9) for k in ("window_tokens_per_s", "window_goodput_tokens_per_s"))
+            dt, dg = (row["dynamic"][k] for k in ("window_tokens_per_s", "window_goodput_tokens_per_s"))
             lines.append(f"| {c} | " + " | ".join(
-                f"{row[v]['window_tokens_per_s'] / n:,.0f} ({row[v]['window_tokens_per_s'] / dt:.3f}); "
-                f"{row[v]['window_goodput_tokens_per_s'] / n:,.0f} ({row[v]['window_goodput_tokens_per_s'] / dg:.2f})"
+                f"{row[v]['window_tokens_per_s'] / n:,.0f} ({_ratio(row[v]['window_tokens_per_s'], dt, 3)}); "
+                f"{row[v]['window_goodput_tokens_per_s'] / n:,.0f} ({_ratio(row[v]['window_goodput_tokens_per_s'], dg)})"
                 for v in variants) + " |")
     if "off_cost" in results:
         oc = results["off_cost"]
@@ -250,15 +254,16 @@ def plot(results: dict, img: Path) -> None:
         ax = axes[1, i]
         for v in CLOSED_VARIANTS[1:]:
             for key, style in (("window_tokens_per_s", "o-"), ("window_goodput_tokens_per_s", "s--")):
-                ratio = [closed[c][v][key] / max(closed[c]["dynamic"][key], 1e-9) for c in closed]
+                base = [closed[c]["dynamic"][key] for c in closed]  # no ratio where dynamic has ~nothing
+                ratio = [closed[c][v][key] / b if b >= 1.0 else np.nan for c, b in zip(closed, base, strict=True)]
                 ax.plot([int(c) for c in closed], ratio, style, label=f"{v}, {key.split('_')[1]}")
         ax.set_xscale("log")
         ax.set_title(f"{name}: closed loop, / dynamic's", fontsize=9)
         ax.set_xlabel("clients per replica")
         ax.legend(fontsize=7)
-    for ax in axes.flat:
-        ax.axhline(1.05, color="grey", ls=":", lw=1)
     axes[1, -1].axis("off")
+    for ax in [*axes[0], *axes[1, :-1]]:
+        ax.axhline(1.05, color="grey", ls=":", lw=1)
     ax = axes[0, -1]
     labels = list(VARIANTS)
     for i, name in enumerate(curves):
@@ -266,7 +271,6 @@ def plot(results: dict, img: Path) -> None:
         ax.bar([j + (i - 0.5) * 0.4 for j in range(len(labels))],
                [b[v]["goodput_tokens_per_s"] / max(b["dynamic"]["goodput_tokens_per_s"], 1e-9) for v in labels],
                0.4, label=name)
-    ax.axhline(1.05, color="grey", ls=":", lw=1)
     ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=8)
     ax.set_title("bursty trace: goodput / dynamic's")
     ax.legend(fontsize=8)
@@ -285,7 +289,8 @@ def plot(results: dict, img: Path) -> None:
             ax.bar([j + (i - 1.5) * 0.2 for j in range(len(costs))],
                    [runs[c][v][key] / max(off[key], 1e-9) for c in costs], 0.2, label=v)
         ax.axhline(1.0, color="grey", ls=":", lw=1)
-        ax.set_xticks(range(len(costs)), [f"off_cost {c}" for c in costs], fontsize=8)
+        ax.set_xticks(range(len(costs)), costs, fontsize=8)
+        ax.set_xlabel("off_cost")
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
