@@ -216,9 +216,10 @@ class Simulation:
         self.V = np.zeros((n, C))  # progress counter: tokens gained by each running request of a class so far
         self.waiting = np.zeros(n, np.int64)
         self.running = np.zeros(n, np.int64)
-        self.running_c = np.zeros((n, C), np.int64)
         self.decoding = np.zeros(n, np.int64)
-        self.decoding_c = np.zeros((n, C), np.int64)
+        # by class; one class: views of the totals (updated in place), so nothing to keep apart
+        self.running_c = np.zeros((n, C), np.int64) if C > 1 else self.running[:, None]
+        self.decoding_c = np.zeros((n, C), np.int64) if C > 1 else self.decoding[:, None]
         self.slot_req = np.full((n, S), -1, np.int64)
         self.slot_cls = np.zeros((n, S), np.int64)
         self.thr = np.full((n, S), np.inf)  # finish threshold on V[replica, its class] while decoding
@@ -361,7 +362,8 @@ class Simulation:
         kidx = self.k_index[self.k_run[slot_rows]]
         self.slot_req[slot_rows, cols] = ids
         self.slot_cls[slot_rows, cols] = cls = self.req.cls[ids]
-        np.add.at(self.running_c, (slot_rows, cls), 1)
+        if self.C > 1:
+            np.add.at(self.running_c, (slot_rows, cls), 1)
         batch = np.repeat(self.running[rows] + k, k)  # prefill at the batch it joins
         prefill = self.prefill_lut[kidx, batch]
         if self.opts.stack_efficiency:
@@ -391,7 +393,8 @@ class Simulation:
         self.min_pre[hit] = self.pre_end[hit].min(axis=1)
         np.minimum.at(self.min_thr, (rows, cls), self.thr[rows, cols])
         np.add.at(self.decoding, rows, 1)
-        np.add.at(self.decoding_c, (rows, cls), 1)
+        if self.C > 1:
+            np.add.at(self.decoding_c, (rows, cls), 1)
 
     def _decode(self, t: float, dt: float, kidx: np.ndarray) -> None:
         rate = self.rate_lut[kidx, self.running]
@@ -403,11 +406,13 @@ class Simulation:
         gain = rate * dt
         V0 = self.V
         V1 = V0 + gain
-        self.decode_tokens += (gain * self.decoding_c).sum(axis=1)
+        self.decode_tokens += gain[:, 0] * self.decoding if self.C == 1 else (gain * self.decoding_c).sum(axis=1)
         self.last_rate = rate
-        hit = np.nonzero((self.min_thr <= V1).any(axis=1))[0]
+        reached = self.min_thr <= V1
+        hit = np.nonzero(reached[:, 0] if self.C == 1 else reached.any(axis=1))[0]
         if len(hit):
-            r_local, cols = np.nonzero(self.thr[hit] <= np.take_along_axis(V1[hit], self.slot_cls[hit], axis=1))
+            Vh = V1[hit] if self.C == 1 else np.take_along_axis(V1[hit], self.slot_cls[hit], axis=1)
+            r_local, cols = np.nonzero(self.thr[hit] <= Vh)
             rows = hit[r_local]
             ids = self.slot_req[rows, cols]
             cls = self.slot_cls[rows, cols]
@@ -425,8 +430,9 @@ class Simulation:
             counts = np.bincount(rows, minlength=self.opts.replicas)
             self.running -= counts
             self.decoding -= counts
-            np.subtract.at(self.running_c, (rows, cls), 1)
-            np.subtract.at(self.decoding_c, (rows, cls), 1)
+            if self.C > 1:
+                np.subtract.at(self.running_c, (rows, cls), 1)
+                np.subtract.at(self.decoding_c, (rows, cls), 1)
             np.add.at(self.delivered_tokens, rows, self.req.output_tokens[ids])
             if isinstance(self.workload, ClosedLoop):
                 self._reissue(ids, finish)
