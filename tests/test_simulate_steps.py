@@ -75,18 +75,26 @@ def test_the_vectorized_choice_is_choose_steps_replica_by_replica():
     engine = EngineSteps(n, step_time, tokens, cfg)
     gates = [GateState() for _ in range(n)]
     cost = CurveStepCost(step_time)
-    for step in range(40):  # a gate shuts, probes, reopens as batches change
+    reasons = set()
+    for step in range(80):  # gates shut, probe, reopen as batches change
         now = step * 0.3
         counts = rng.integers(0, 4, (n, len(accept))) * (rng.random((n, 1)) < 0.9)
-        counts[: n // 4, :3] = 0  # some replicas run only the class that never pays
         ceiling = rng.integers(0, step_time.shape[0], n)
+        # a quarter of the replicas run only the class that never pays, under a ceiling
+        counts[: n // 4, 0] = np.maximum(counts[: n // 4, 0], 1)
+        counts[: n // 4, 1:] = 0
+        ceiling[: n // 4] = np.maximum(ceiling[: n // 4], 1)
         got = engine.choose(now, ceiling, counts)
         for r in range(n):
             accs = [a for a, m in zip(accept, counts[r], strict=True) for _ in range(m)]
             choice = choose_steps(int(ceiling[r]), accs, cost, gates[r], now, cfg)
             gates[r] = choice.gate
+            reasons.add(choice.reason)
             assert got[r] == choice.num_steps, (step, r, choice)
             assert engine.shut[r] == choice.gate.shut
+            if hasattr(choice.gate, "steps_since_probe"):
+                assert engine.since_probe[r] == choice.gate.steps_since_probe
+    assert reasons == {"ceiling", "gain", "gate", "probe"}
 
 
 def test_two_level_is_never_below_the_ladder_alone_on_a_mixed_workload():

@@ -49,6 +49,9 @@ class EngineSteps:
         self.step_time, self.tokens, self.config = step_time, tokens, config
         self.shut = np.zeros(replicas, bool)
         self.last_probe = np.full(replicas, np.nan)  # nan: never probed
+        self.since_probe = np.zeros(replicas, np.int64)  # steps since the gate shut or last probed
+        # at most one probe in this many steps, where the config has that rule (1: no such rule)
+        self.probe_every = getattr(config, "probe_every_steps", 1)
 
     def choose(self, now: float, ceiling: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Draft length per replica; ``counts[r, c]``: running requests of class c on replica r."""
@@ -68,6 +71,9 @@ class EngineSteps:
         self.shut |= closing
         self.last_probe[closing] = now
         due = gated & ~closing & (np.isnan(self.last_probe) | (now - self.last_probe >= cfg.probe_interval_s))
+        due &= self.since_probe + 1 >= self.probe_every
         k[due] = np.minimum(ceiling[due], cfg.probe_steps)
         self.last_probe[due] = now
+        self.since_probe += 1
+        self.since_probe[closing | due] = 0
         return k
