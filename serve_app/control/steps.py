@@ -177,7 +177,10 @@ def choose_steps(ceiling: int, acceptances: Sequence[float], cost: StepCost, gat
                  config: StepPolicyConfig) -> StepChoice:
     """This step's draft length: the ``k`` in ``0..ceiling`` with the most expected tokens per
     second; 0 unless it beats plain decoding by ``min_gain``. While that keeps speculation
-    off, a probing step of ``probe_steps`` drafts runs every ``probe_interval_s``."""
+    off, a probing step of ``probe_steps`` drafts runs every ``probe_interval_s``.
+
+    ``cost`` is asked only ``seconds(batch, k)``: any object with that method works (the
+    simulator passes step times read off an engine curve)."""
     if ceiling <= 0 or not acceptances:
         return StepChoice(0, "ceiling", GateState(False, gate.last_probe_at, gate.steps_since_probe + 1))
     plain = rate(acceptances, 0, cost)

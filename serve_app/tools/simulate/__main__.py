@@ -5,6 +5,9 @@
     python -m serve_app.tools.simulate validate --curves bench/results/engine_cpu_eagle_t1.json \\
         --serve bench/results/serve_sweep.json
     python -m serve_app.tools.simulate study          # the runs and plots of docs/simulation.md
+    python -m serve_app.tools.simulate --curves h200-8b-roofline --replicas 64 --policy dynamic,two-level \
+        --classes chat:0.5:0.55,copy:0.3:0.9,sampled:0.2:0.3 --off-cost sglang-h200
+    python -m serve_app.tools.simulate steps          # the two-level study of docs/simulation.md
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from pathlib import Path
 
 from serve_app.control.config import ControllerOptions, PolicyConfig
 
-from .curves import PRESETS, Curve, load_curve
+from .curves import OFF_COSTS, PRESETS, Curve, load_curve, parse_off_cost
 from .policies import curve_policy, load_policy
 from .sim import POLICIES, SimOptions, Simulation
-from .traces import make_trace
+from .traces import make_trace, parse_classes
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +39,24 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="YAML/JSON: a serve config, AppArgs or bare PolicyConfig (default: calibrated from the curve)",
     )
     p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: top tier)")
+    p.add_argument(
+        "--classes",
+        default=None,
+        help="request classes name:share:acceptance,... (e.g. chat:0.5:0.55,copy:0.3:0.9,sampled:0.2:0.3; "
+        "default: one class accepting as the curve)",
+    )
+    p.add_argument(
+        "--off-cost",
+        default=None,
+        help=f"speed of num_steps 0 in a speculative engine over a plain one: {', '.join(OFF_COSTS)}, a number, "
+        "or batch:ratio,... (default: the curve's, 1.0 for every preset)",
+    )
+    p.add_argument("--ceiling", default="ladder", choices=("ladder", "top"), help="two-level: the ceiling")
+    p.add_argument(
+        "--ladder-for-classes",
+        action="store_true",
+        help="calibrate the ladder for the class mix and the off_cost (default: for the curve's own acceptance)",
+    )
     p.add_argument("--report-interval", type=float, default=None, help="seconds (default 0.25)")
     p.add_argument("--stale-after", type=float, default=None, help="seconds (default max(1, 4 × interval))")
     p.add_argument("--report-delay", type=float, default=0.005, help="report transit seconds")
@@ -55,11 +76,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def setup(args) -> tuple[Curve, PolicyConfig, ControllerOptions]:
     curve = load_curve(args.curves, args.prompt_set, args.max_running)
+    if args.off_cost:
+        curve.off_cost = parse_off_cost(args.off_cost)
     policy, options = None, None
     if args.policy_config:
         policy, options, max_seqs = load_policy(args.policy_config)
         if max_seqs and args.max_running is None and args.curves not in PRESETS:
             curve.max_running = max_seqs
+    if policy is None and args.ladder_for_classes:
+        policy = curve_policy(curve, args.spec_steps, parse_classes(args.classes) if args.classes else None, True)
     policy = policy or curve_policy(curve, args.spec_steps)
     if args.report_interval is not None or options is None:
         interval = args.report_interval or (options.report_interval_s if options else 0.25)
@@ -85,6 +110,8 @@ def run_one(curve, policy, options, args, policy_name: str, replicas: int | None
         seed=args.seed,
         slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
         slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
+        classes=parse_classes(args.classes) if args.classes else None,
+        ceiling=args.ceiling,
     )
     sim = Simulation(curve, trace, policy, options, opts).run()
     return sim, sim.summary()
@@ -114,6 +141,8 @@ def run(args) -> int:
         "report_delay_s": args.report_delay,
         "broadcast_delay_s": args.broadcast_delay,
         "dt_s": args.dt,
+        "classes": args.classes,
+        "ceiling": args.ceiling,
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -123,10 +152,10 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("validate", "study"):
-        from . import study, validate
+    if argv and argv[0] in ("validate", "study", "steps"):
+        from . import study, study_steps, validate
 
-        module = validate if argv[0] == "validate" else study
+        module = {"validate": validate, "study": study, "steps": study_steps}[argv[0]]
         p = argparse.ArgumentParser(
             prog=f"python -m serve_app.tools.simulate {argv[0]}",
             description=module.__doc__,

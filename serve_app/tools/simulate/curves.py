@@ -11,6 +11,15 @@ c concurrent clients and its TTFT; the simulator turns it back into a per-reques
 Little's law, so that c closed-loop clients in the simulation reproduce X(c, k):
 one request takes c·n/X seconds (n = mean output tokens of the point), of which the TTFT is
 prefill, so ``rate = n / (c·n/X − ttft)``.
+
+A step of batch B at k drafts takes ``T(B, k) = tokens_per_step(k) / rate(B, k)``: the rate is
+the curve's mean tokens per request per second, ``tokens_per_step`` the curve's own mean
+tokens per request per step (1 + accepted drafts). A request class whose drafts are accepted
+with another probability gains its own tokens per step in the same step time (``sim.py``).
+
+``off_cost``: the speed of k = 0 inside a speculative engine relative to a plain engine, by
+batch (1.0: as fast). A cluster that switches speculation off keeps its speculative engine and
+pays it; the static ``off`` policy is a plain engine and does not.
 """
 
 from __future__ import annotations
@@ -43,15 +52,31 @@ class Curve:
     source: str = ""
     notes: list[str] = field(default_factory=list)
     accepted: dict[int, float] = field(default_factory=dict)
-    """Mean accepted draft tokens per verify by num_steps, where measured."""
+    """Mean accepted draft tokens per verify by num_steps, where measured (or assumed: notes)."""
+    off_cost: dict[int, float] = field(default_factory=dict)
+    """Speed of num_steps 0 in a speculative engine over a plain engine's, by batch: linear
+    between the listed batches, flat outside; empty: 1.0 (as fast as a plain engine)."""
 
     @property
     def steps(self) -> list[int]:
         return sorted(self.points)
 
     def tokens_per_step(self, k: int) -> float:
-        """Output tokens per request per engine step: 1 plus the accepted drafts (1 where unknown)."""
-        return 1.0 + (self.accepted.get(k, 0.0) if k > 0 else 0.0)
+        """Output tokens per request per engine step: 1 plus the accepted drafts; a k not listed
+        is linear between the listed ones (the nearest at the top; 1 when none is listed)."""
+        if k <= 0 or not self.accepted:
+            return 1.0
+        if k in self.accepted:
+            return 1.0 + self.accepted[k]
+        ks = sorted(self.accepted)
+        return 1.0 + float(np.interp(k, [0, *ks], [0.0, *(self.accepted[j] for j in ks)]))
+
+    def off_speed(self, batches: np.ndarray) -> np.ndarray:
+        """``off_cost`` at each batch (1.0 where none is given)."""
+        if not self.off_cost:
+            return np.ones(len(batches))
+        bs = sorted(self.off_cost)
+        return np.interp(batches, bs, [self.off_cost[b] for b in bs])
 
     @property
     def spec_steps(self) -> int:
@@ -122,6 +147,8 @@ class Curve:
             "output_tokens": self.output_tokens,
             "max_running": self.max_running,
             "notes": self.notes,
+            "accepted": self.accepted,
+            "off_cost": self.off_cost,
             "tokens_per_s": {
                 k: {int(b): round(self.throughput(b, k), 1) for b in (1, 8, 32, 64, 128, 256) if b <= self.max_running}
                 for k in self.steps
@@ -172,13 +199,18 @@ def _affine(x1: float, x250: float, batches) -> list[tuple[float, float, float]]
     return [(B, B / (a + b * B), 0.05) for B in batches]
 
 
-def seed_8gpu_pcie() -> Curve:
+def seed_8gpu_pcie(alpha: float | None = None) -> Curve:
+    """The seed deployment's two published points per mode. Its acceptance is not published:
+    ``alpha`` per draft token (the roofline's 0.8 by default) gives the tokens per step from
+    which the step time, and each request class's speed, follow."""
+    alpha = ACCEPT_ALPHA if alpha is None else alpha
     grid = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 250]
     return Curve(
         "seed-8gpu-pcie",
         {0: _affine(92.6, 772.1, grid), 3: _affine(77.5, 340.9, grid)},
         output_tokens=256,
         max_running=256,
+        accepted={k: mean_accepted(k, alpha) - 1 for k in (1, 2, 3)},
         source="seed deployment (8 GPUs over PCIe, TP-8, SGLang + EAGLE-3): 92.6 / 772.1 tok/s without "
         "speculation, 77.5 / 340.9 with EAGLE-3, at 1 / 250 concurrent requests (docs/DESIGN brief)",
         notes=[
@@ -186,6 +218,9 @@ def seed_8gpu_pcie() -> Curve:
             "X = B/t), fitted per mode through both points; flat past 250",
             "EAGLE-3's step count is not published: taken as num_steps 3",
             "prefill 50 ms and 256 output tokens per request assumed",
+            f"acceptance not published: α = {alpha} per draft token assumed, τ(3) = {mean_accepted(3, alpha):.2f} "
+            "(τ(1), τ(2) for the num_steps 1 and 2 that lie between the measured 0 and 3)",
+            "off_cost not measured: num_steps 0 in the speculative engine as fast as a plain engine",
         ],
     )
 
@@ -235,6 +270,7 @@ def h200_8b_roofline(
         points,
         output_tokens,
         max_running=256,
+        accepted={k: mean_accepted(k) - 1 for k in steps if k},
         source=f"{GEMM_COST.name}: GEMM time of a Llama-3-8B forward by tokens per forward, one H200",
         notes=[
             f"step(B, k) = T(B·(k+1)) + attention + k·({DRAFT_FRACTION}·T(B) + {DRAFT_FIXED_MS} ms); "
@@ -243,6 +279,7 @@ def h200_8b_roofline(
             + ", ".join(f"τ({k}) = {mean_accepted(k):.2f}" for k in steps if k),
             f"attention: one read of {context_tokens} tokens' KV (128 KiB each) per request and step at 3.8 TB/s",
             f"prefill = T({prompt_tokens}) = {1000 * prefill_s:.1f} ms; {output_tokens} output tokens",
+            "off_cost: num_steps 0 in the speculative engine as fast as a plain engine (step(B, 0) above)",
         ],
     )
 
@@ -264,6 +301,7 @@ def eagle3_sglang_h100() -> Curve:
         {0: [(b, base[b], 0.02) for b in grid], 3: [(b, base[b] * ratio[b], 0.02) for b in grid]},
         output_tokens=256,
         max_running=64,
+        accepted={k: mean_accepted(k) - 1 for k in (1, 2, 3)},
         source="Li et al., EAGLE-3 (arXiv:2503.01840v3), §4.3: Table 3 (SGLang v0.4.4, H100, LLaMA-Instruct "
         "3.1 8B, MT-Bench, chain length 3: 1.81x at batch 2 … 1.38x at 64) and Table 4 (158.34 tok/s "
         "without speculation at batch 1)",
@@ -272,8 +310,31 @@ def eagle3_sglang_h100() -> Curve:
             "the plain curve's growth with batch is assumed to follow the H200 GEMM cost shape, "
             "scaled to 158.34 tok/s at batch 1",
             "max_running 64: the paper's range; prefill 20 ms and 256 output tokens assumed",
+            f"tokens per step of the chain of 3 not taken from the paper: α = {ACCEPT_ALPHA} assumed, "
+            f"τ(3) = {mean_accepted(3):.2f}",
+            "off_cost: num_steps 0 in the speculative engine as fast as a plain engine",
         ],
     )
+
+
+# The speed of num_steps 0 in SGLang's speculative engine (EAGLE-3, H200) over a plain engine's,
+# first H200 measurement: 0.37x at batch 1, 0.54x at batch 16. The speculative engine still runs
+# its draft-extend path and overlap scheduling differs (docs/sglang.md).
+SGLANG_H200_OFF_COST = {1: 0.37, 16: 0.54}
+# The same ratio in bench/results/gpu_sglang_h200.json's engine_speed run (SGLang 0.5.17,
+# "spec steps 0" over "plain"): 164.9 / 610.2, 8770.4 / 28115.9, 21160.1 / 64905.4 tok/s.
+SGLANG_H200_OFF_COST_ENGINE_SPEED = {1: 0.27, 64: 0.31, 256: 0.33}
+OFF_COSTS = {"plain": {}, "sglang-h200": SGLANG_H200_OFF_COST, "sglang-h200-engine-speed": SGLANG_H200_OFF_COST_ENGINE_SPEED}
+
+
+def parse_off_cost(text: str) -> dict[int, float]:
+    """``--off-cost``: a name of :data:`OFF_COSTS`, one number (any batch) or ``batch:ratio,...``."""
+    if text in OFF_COSTS:
+        return dict(OFF_COSTS[text])
+    if ":" not in text:
+        return {1: float(text)}
+    pairs = (item.split(":") for item in text.split(",") if item.strip())
+    return {int(b): float(r) for b, r in pairs}
 
 
 PRESETS = {

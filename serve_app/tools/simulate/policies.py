@@ -4,19 +4,37 @@ config or policy file."""
 from __future__ import annotations
 
 from serve_app.control.config import ControllerOptions, PolicyConfig, Tier
+from serve_app.control.steps import expected_tokens
 
 from .curves import Curve
+from .traces import RequestClass
 
 
-def curve_policy(curve: Curve, spec_steps: int | None = None) -> PolicyConfig:
+def mix_throughput(curve: Curve, batch: int, k: int, classes: tuple[RequestClass, ...] | None = None,
+                   off_cost: bool = False) -> float:
+    """Tokens/s of ``batch`` requests at k steps when the batch holds the classes by share:
+    the curve's throughput × the mix's tokens per step over the curve's. ``off_cost``: k = 0
+    in a speculative engine (the curve's ``off_cost``)."""
+    x = curve.throughput(batch, k)
+    if classes and k > 0:
+        x *= sum(c.share * expected_tokens(c.acceptance, k) for c in classes) / curve.tokens_per_step(k)
+    if off_cost and k == 0:
+        x *= float(curve.off_speed([batch])[0])
+    return x
+
+
+def curve_policy(curve: Curve, spec_steps: int | None = None, classes: tuple[RequestClass, ...] | None = None,
+                 off_cost: bool = False) -> PolicyConfig:
     """A ladder calibrated from the curve: each tier runs the num_steps that is fastest over its
     range of load per replica (only moves to fewer steps as load grows are kept, so noise in
-    a measured curve cannot make the ladder climb back). ``spec_steps`` caps the top tier."""
+    a measured curve cannot make the ladder climb back). ``spec_steps`` caps the top tier.
+    ``classes``: fastest for that mix of requests (:func:`mix_throughput`), not the curve's own;
+    ``off_cost``: num_steps 0 priced as in a speculative engine."""
     ks = [k for k in curve.steps if spec_steps is None or k <= spec_steps]
     tiers: list[Tier] = []
     current = None
     for b in range(1, curve.max_running + 1):
-        best = max(ks, key=lambda k: curve.throughput(b, k))
+        best = max(ks, key=lambda k: mix_throughput(curve, b, k, classes, off_cost))
         if current is None:
             current = best
         elif best < current:

@@ -6,6 +6,16 @@ Decoding is fluid: all running requests of a replica gain ``rate(B, k)`` tokens 
 request one finish threshold; a step is a handful of numpy operations over (replicas × slots)
 whatever the number of tokens. Within a step, finish times are interpolated exactly.
 
+Request classes: a request of class c gains ``rate(B, k) · τ_c(k) / τ(k)`` tokens per second,
+τ_c(k) = 1 + a_c + ... + a_c^k its class's tokens per step, τ(k) the curve's: the same step
+time T(B, k) = τ(k) / rate(B, k), another yield. Hence one progress counter per (replica,
+class). Without classes there is one, accepting as the curve does.
+
+Draft length: the control plane gives each replica its num_steps; under ``two-level`` that is a
+ceiling and each replica's engine picks its own k under it every step (``engine_steps.py``).
+A speculative engine at k = 0 runs at the curve's ``off_cost``; the static ``off`` policy is a
+plain engine.
+
 A request: arrives (trace time), is routed to the less loaded of two random replicas (Ray
 Serve's power of two choices on queue length), waits in that replica's FIFO, is admitted into
 a free slot, spends the curve's prefill time until its first token, then decodes its output
@@ -23,20 +33,30 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serve_app.control.config import ControllerOptions, PolicyConfig
+from serve_app.control.steps import StepPolicyConfig, expected_tokens
 from serve_app.tools.bench.stats import percentile
 
 from .control import ClusterControl, LocalControl, StaticControl
 from .curves import Curve
-from .traces import Trace
+from .engine_steps import EngineSteps, tokens_table
+from .traces import RequestClass, Trace, draw_classes
 
-POLICIES = ("spec", "off", "dynamic", "local")
+POLICIES = ("spec", "off", "dynamic", "local", "two-level")
 
 
 @dataclass
 class SimOptions:
     replicas: int = 8
     policy: str = "dynamic"
-    """spec | off (fixed modes), dynamic (one cluster-wide controller), local (each replica alone)."""
+    """spec | off (fixed modes), dynamic (one cluster-wide controller), local (each replica alone),
+    two-level (the cluster-wide num_steps is a ceiling; each engine picks k under it every step)."""
+    classes: tuple[RequestClass, ...] | None = None
+    """Request classes by share and acceptance; None: one class, accepting as the curve does."""
+    step_policy: StepPolicyConfig = field(default_factory=StepPolicyConfig)
+    """How a two-level engine picks k (min_gain, the gate's probes)."""
+    ceiling: str = "ladder"
+    """two-level: ``ladder`` (the cluster ladder's num_steps) or ``top`` (the most steps the
+    simulation knows, ``spec_steps`` or the ladder's top, always: the engine alone decides)."""
     spec_steps: int | None = None
     """num_steps of the ``spec`` policy (default: the top tier of the ladder)."""
     dt_s: float = 0.02
@@ -85,10 +105,13 @@ class Requests:
     first: np.ndarray = field(init=False)
     finish: np.ndarray = field(init=False)
     finish_count: np.ndarray = field(init=False)
+    cls: np.ndarray = field(init=False)
+    """Class index (``SimOptions.classes``)."""
 
     def __post_init__(self):
         n = len(self.arrival)
         self.finish_count = np.zeros(n, np.int64)
+        self.cls = np.zeros(n, np.int64)
         self.replica = np.full(n, -1, np.int64)
         self.admit, self.first, self.finish = (np.full(n, np.inf) for _ in range(3))
 
@@ -121,15 +144,27 @@ class Simulation:
         spec = opts.spec_steps if opts.spec_steps is not None else policy.spec_steps
         self.spec_steps = spec
         self.ks = sorted({0, spec, *(t.num_steps for t in policy.tiers)})
+        if opts.policy == "two-level":  # the engine may pick any k under the ceiling
+            self.ks = list(range(max(self.ks) + 1))
         self.rate_lut, self.prefill_lut = curve.tables(self.ks, S)
+        self.plain_rate = self.rate_lut[0].copy()  # a plain engine's (ks[0] = 0)
+        if opts.policy != "off" and curve.off_cost:  # a speculative engine at k = 0
+            self.rate_lut[0] *= curve.off_speed(np.maximum(np.arange(S + 1), 1))
         self.k_index = np.zeros(max(self.ks) + 1, np.int64)
         self.k_index[self.ks] = np.arange(len(self.ks))
+        self.classes = opts.classes or (RequestClass("all", 1.0, None),)
+        self.C = len(self.classes)
+        tau = np.array([curve.tokens_per_step(k) for k in self.ks])
+        self.class_gain = np.ones((len(self.ks), self.C))  # [k index, class]: tokens per step over the curve's
+        if opts.classes:
+            for c, cls in enumerate(self.classes):
+                self.class_gain[:, c] = [expected_tokens(cls.acceptance, k) for k in self.ks] / tau
         self.chunks_per_token = np.array([1.0 / curve.tokens_per_step(k) for k in self.ks])
         self.eff_lut = self._efficiency_table(opts.stack_efficiency, opts.replicas)
 
         if opts.policy in ("spec", "off"):
             self.control = StaticControl(n, spec if opts.policy == "spec" else 0)
-        elif opts.policy == "dynamic":
+        elif opts.policy in ("dynamic", "two-level"):
             self.control = ClusterControl(
                 policy,
                 options,
@@ -144,8 +179,8 @@ class Simulation:
             self.control = LocalControl(policy, options, n, self.rng)
         else:
             raise ValueError(f"policy must be one of {POLICIES}, got {opts.policy!r}")
-        if opts.initial_steps is not None and opts.policy in ("dynamic", "local"):
-            loops = [self.control.loop] if opts.policy == "dynamic" else self.control.loops
+        if opts.initial_steps is not None and opts.policy in ("dynamic", "local", "two-level"):
+            loops = self.control.loops if opts.policy == "local" else [self.control.loop]
             for loop in loops:
                 loop.num_steps = opts.initial_steps
             self.control.steps[:] = opts.initial_steps
@@ -162,28 +197,46 @@ class Simulation:
             self.req = Requests(workload.arrival, workload.output_tokens, workload.hot)
             self._issued = len(workload.arrival)
             self.hot_n = max(1, int(round(workload.hot_fraction * n)))
+        if opts.classes:
+            self.req.cls = draw_classes(len(self.req.arrival), self.classes, opts.seed)
+        self.engine_steps = None
+        if opts.policy == "two-level":
+            if opts.ceiling not in ("ladder", "top"):
+                raise ValueError(f"ceiling must be ladder or top, got {opts.ceiling!r}")
+            step_time = tau[:, None] / self.rate_lut  # T(B, k) of the speculative engine, [k, B]
+            top = self.ks[-1]  # ks = 0..top
+            # the exact acceptance of each class (without classes: the curve's own tokens per step)
+            tokens = tokens_table([c.acceptance for c in self.classes], top) if opts.classes else tau[None, :]
+            self.engine_steps = EngineSteps(n, step_time, tokens, opts.step_policy)
         self._next_arrival = 0  # open traces: arrivals are sorted; closed loops: ids are issued in order
         self._closed_ready: list[int] = []
 
         # replica state
-        self.V = np.zeros(n)  # progress counter: tokens gained by each running request so far
+        C = self.C
+        self.V = np.zeros((n, C))  # progress counter: tokens gained by each running request of a class so far
         self.waiting = np.zeros(n, np.int64)
         self.running = np.zeros(n, np.int64)
         self.decoding = np.zeros(n, np.int64)
+        # by class; one class: views of the totals (updated in place), so nothing to keep apart
+        self.running_c = np.zeros((n, C), np.int64) if C > 1 else self.running[:, None]
+        self.decoding_c = np.zeros((n, C), np.int64) if C > 1 else self.decoding[:, None]
         self.slot_req = np.full((n, S), -1, np.int64)
-        self.thr = np.full((n, S), np.inf)  # finish threshold on V while decoding
+        self.slot_cls = np.zeros((n, S), np.int64)
+        self.thr = np.full((n, S), np.inf)  # finish threshold on V[replica, its class] while decoding
         self.pre_end = np.full((n, S), np.inf)  # end of prefill while prefilling
-        self.min_thr = np.full(n, np.inf)  # per-replica minima, so a step scans only rows with work
+        self.min_thr = np.full((n, C), np.inf)  # minima, so a step scans only rows with work
         self.min_pre = np.full(n, np.inf)
         self.Q = 64
         self.qbuf = np.zeros((n, self.Q), np.int64)
         self.head = np.zeros(n, np.int64)
         self.tail = np.zeros(n, np.int64)
-        self.last_rate = np.zeros(n)
+        self.last_rate = np.zeros((n, C))
+        self.k_run = self.control.steps.copy()  # the draft length each replica ran in the last step
         # accounting
         self.decode_tokens = np.zeros(n)  # integral of rate × decoding requests
         self.delivered_tokens = np.zeros(n)
         self.mode_time = np.zeros(len(self.ks))
+        self.ceiling_time = np.zeros(len(self.ks))
         self.timeline: list[tuple] = []
         self.history: list[tuple[float, np.ndarray, np.ndarray]] = []  # (t, waiting, running) when recording
         self.t = 0.0
@@ -204,7 +257,15 @@ class Simulation:
                 self._admit(t)
             self._prefills_done(t)
             self.control.step(t, self.waiting, self.running)
-            kidx = self.k_index[self.control.steps]
+            ceiling = self.control.steps
+            if self.engine_steps is not None:
+                if opts.ceiling == "top":
+                    ceiling = np.full(len(ceiling), self.ks[-1])
+                self.ceiling_time += np.bincount(self.k_index[ceiling], minlength=len(self.ks)) * dt
+                self.k_run = self.engine_steps.choose(t, ceiling, self.running_c)
+            else:
+                self.k_run = ceiling
+            kidx = self.k_index[self.k_run]
             if opts.record:
                 self.history.append((t, self.waiting.copy(), self.running.copy()))
             self._decode(t, dt, kidx)
@@ -216,7 +277,7 @@ class Simulation:
                     (
                         t,
                         float((self.waiting + self.running).mean()),
-                        float(self.control.steps.mean()),
+                        float(self.k_run.mean()),
                         (tok - tokens_at_bucket) / bucket,
                     )
                 )
@@ -298,8 +359,11 @@ class Simulation:
         pick = free & (np.cumsum(free, axis=1) <= k[:, None])
         r_local, cols = np.nonzero(pick)
         slot_rows = rows[r_local]  # row-major order: grouped by replica like ``ids``
-        kidx = self.k_index[self.control.steps[slot_rows]]
+        kidx = self.k_index[self.k_run[slot_rows]]
         self.slot_req[slot_rows, cols] = ids
+        self.slot_cls[slot_rows, cols] = cls = self.req.cls[ids]
+        if self.C > 1:
+            np.add.at(self.running_c, (slot_rows, cls), 1)
         batch = np.repeat(self.running[rows] + k, k)  # prefill at the batch it joins
         prefill = self.prefill_lut[kidx, batch]
         if self.opts.stack_efficiency:
@@ -319,14 +383,18 @@ class Simulation:
         r_local, cols = np.nonzero(self.pre_end[hit] <= t)
         rows = hit[r_local]
         ids = self.slot_req[rows, cols]
+        cls = self.slot_cls[rows, cols]
         ended = self.pre_end[rows, cols]
         self.req.first[ids] = ended
         # decoding began at the end of prefill, inside the last step: credit that part
-        self.thr[rows, cols] = self.V[rows] + self.req.output_tokens[ids] - self.last_rate[rows] * (t - ended)
+        credit = self.last_rate[rows, cls] * (t - ended)
+        self.thr[rows, cols] = self.V[rows, cls] + self.req.output_tokens[ids] - credit
         self.pre_end[rows, cols] = np.inf
         self.min_pre[hit] = self.pre_end[hit].min(axis=1)
-        np.minimum.at(self.min_thr, rows, self.thr[rows, cols])
+        np.minimum.at(self.min_thr, (rows, cls), self.thr[rows, cols])
         np.add.at(self.decoding, rows, 1)
+        if self.C > 1:
+            np.add.at(self.decoding_c, (rows, cls), 1)
 
     def _decode(self, t: float, dt: float, kidx: np.ndarray) -> None:
         rate = self.rate_lut[kidx, self.running]
@@ -334,26 +402,37 @@ class Simulation:
             rate = rate * self.eff_lut[kidx, np.count_nonzero(self.running), self.running]
         if self.opts.host_cores:
             rate = rate * self._host_share(rate, kidx)
+        rate = rate[:, None] * self.class_gain[kidx]  # (replicas, classes)
         gain = rate * dt
         V0 = self.V
         V1 = V0 + gain
-        self.decode_tokens += gain * self.decoding
+        self.decode_tokens += gain[:, 0] * self.decoding if self.C == 1 else (gain * self.decoding_c).sum(axis=1)
         self.last_rate = rate
-        hit = np.nonzero(self.min_thr <= V1)[0]
+        reached = self.min_thr <= V1
+        hit = np.nonzero(reached[:, 0] if self.C == 1 else reached.any(axis=1))[0]
         if len(hit):
-            r_local, cols = np.nonzero(self.thr[hit] <= V1[hit, None])
+            Vh = V1[hit] if self.C == 1 else np.take_along_axis(V1[hit], self.slot_cls[hit], axis=1)
+            r_local, cols = np.nonzero(self.thr[hit] <= Vh)
             rows = hit[r_local]
             ids = self.slot_req[rows, cols]
-            frac = np.clip((self.thr[rows, cols] - V0[rows]) / gain[rows], 0.0, 1.0)
+            cls = self.slot_cls[rows, cols]
+            frac = np.clip((self.thr[rows, cols] - V0[rows, cls]) / gain[rows, cls], 0.0, 1.0)
             finish = t + frac * dt
             self.req.finish[ids] = finish
             np.add.at(self.req.finish_count, ids, 1)
             self.slot_req[rows, cols] = -1
             self.thr[rows, cols] = np.inf
-            self.min_thr[hit] = self.thr[hit].min(axis=1)
+            if self.C == 1:
+                self.min_thr[hit, 0] = self.thr[hit].min(axis=1)
+            else:
+                for c in range(self.C):
+                    self.min_thr[hit, c] = np.where(self.slot_cls[hit] == c, self.thr[hit], np.inf).min(axis=1)
             counts = np.bincount(rows, minlength=self.opts.replicas)
             self.running -= counts
             self.decoding -= counts
+            if self.C > 1:
+                np.subtract.at(self.running_c, (rows, cls), 1)
+                np.subtract.at(self.decoding_c, (rows, cls), 1)
             np.add.at(self.delivered_tokens, rows, self.req.output_tokens[ids])
             if isinstance(self.workload, ClosedLoop):
                 self._reissue(ids, finish)
@@ -436,6 +515,23 @@ class Simulation:
                 for k, v in zip(self.ks, self.mode_time, strict=True)
             },
         }
+        if self.engine_steps is not None:
+            out["time_in_ceiling"] = {
+                str(k): round(float(v / max(self.ceiling_time.sum(), 1e-9)), 4)
+                for k, v in zip(self.ks, self.ceiling_time, strict=True)
+            }
+        if self.opts.classes:
+            tpot_all = (req.finish - req.first) / np.maximum(n - 1, 1)
+            out["classes"] = {}
+            for c, cls in enumerate(self.classes):
+                sel = fin & (req.cls == c)
+                out["classes"][cls.name] = {
+                    "share": round(cls.share, 4),
+                    "acceptance": cls.acceptance,
+                    "requests": int(sel.sum()),
+                    "tpot_p50_ms": pct(tpot_all[sel & multi], 50),
+                    "goodput_tokens_per_s": round(float(n[good & sel].sum()) / makespan, 2) if makespan else 0.0,
+                }
         phases = getattr(self.workload, "phases", None)
         if phases:
             for name in ("low", "high"):
@@ -451,4 +547,4 @@ class Simulation:
 
     def default_slo_tpot(self) -> float:
         """TPOT of plain decode with half the slots busy (the engine loaded but not saturated)."""
-        return float(1.0 / self.rate_lut[self.k_index[0], max(1, self.S // 2)])
+        return float(1.0 / self.plain_rate[max(1, self.S // 2)])

@@ -4,6 +4,9 @@ A trace is arrays sorted by arrival time. Rates are in units of the cluster's ca
 request rate the replicas sustain at full batch), so one trace shape fits any curve and any
 number of replicas. ``hot`` marks requests that only reach the first ``hot_fraction`` of the
 replicas: the first seconds of a burst arriving through one ingress before it spreads.
+
+Request classes (:class:`RequestClass`) split a workload by how well drafts are accepted: chat,
+copy-heavy prompts, sampled output. Each request draws its class by share.
 """
 
 from __future__ import annotations
@@ -27,6 +30,45 @@ class Trace:
 
     def __len__(self) -> int:
         return len(self.arrival)
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    """Requests whose draft tokens are each accepted with probability ``acceptance`` (after the
+    ones before it), ``share`` of the traffic."""
+
+    name: str
+    share: float
+    acceptance: float | None
+    """None: as the curve's own measurement (its tokens per step)."""
+
+    def __post_init__(self):
+        if self.share < 0 or (self.acceptance is not None and not 0 <= self.acceptance <= 1):
+            raise ValueError(f"class {self.name}: share must be >= 0 and acceptance in [0, 1]")
+
+
+DEFAULT_CLASSES = "chat:0.5:0.55,copy:0.3:0.9,sampled:0.2:0.3"
+
+
+def parse_classes(text: str) -> tuple[RequestClass, ...]:
+    """``name:share:acceptance,...`` (``--classes``); shares are normalized to sum to 1."""
+    classes = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        name, share, acceptance = item.split(":")
+        classes.append(RequestClass(name, float(share), float(acceptance)))
+    total = sum(c.share for c in classes)
+    if not classes or total <= 0:
+        raise ValueError(f"--classes {text!r}: at least one class with a share > 0")
+    return tuple(RequestClass(c.name, c.share / total, c.acceptance) for c in classes)
+
+
+def draw_classes(n: int, classes: tuple[RequestClass, ...], seed: int) -> np.ndarray:
+    """Each of ``n`` requests' class index, drawn by share (an rng of its own, so that classes
+    leave the arrivals and routing of a run unchanged)."""
+    rng = np.random.default_rng([seed, 0xC1A55])
+    return rng.choice(len(classes), size=n, p=[c.share for c in classes]).astype(np.int64)
 
 
 def _poisson(rate_at, duration_s: float, rng: np.random.Generator, bin_s: float = 0.1) -> np.ndarray:
