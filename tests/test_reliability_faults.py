@@ -94,4 +94,5 @@ def test_a_short_soak_fails_nothing_and_samples_rss_and_ttft(target):
     assert r["rss_samples"] >= 12 and len(r["rss"]) == REPLICAS
     for replica in r["rss"].values():
         assert replica["first_mib"] > 0 and replica["max_drift_pct"] >= 0
+        assert replica["idle_before_mib"] > 0 and replica["idle_after_mib"] > 0
     assert r["ttft"]["first_minute_streams"] > 0 and r["ttft"]["first_minute_p99_ms"] > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from serve_app.control.steps import (
@@ -11,6 +13,7 @@ from serve_app.control.steps import (
     StepPolicyConfig,
     choose_steps,
     expected_tokens,
+    probe_spacing,
 )
 
 CFG = StepPolicyConfig()
@@ -31,22 +34,29 @@ def test_expected_tokens_is_the_geometric_sum():
     assert expected_tokens(-1.0, 3) == 1.0 and expected_tokens(2.0, 3) == 4.0
 
 
-def test_acceptance_is_the_geometric_maximum_likelihood_and_forgets():
+def test_expected_tokens_by_position_multiplies_the_positions_acceptance():
+    assert expected_tokens([0.9, 0.5], 2) == pytest.approx(1 + 0.9 + 0.45)
+    assert expected_tokens([0.9, 0.5], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.225)  # the last stands for the rest
+    assert expected_tokens([0.5], 3) == pytest.approx(expected_tokens(0.5, 3))
+    assert expected_tokens([], 2) == 1.0 and expected_tokens([0.7], 0) == 1.0
+
+
+def test_acceptance_counts_tries_and_hits_per_position_and_forgets():
     a = Acceptance(half_life=1e9)
-    a.observe(4, 2)  # 2 accepted, then a rejection: 3 trials
-    assert a.estimate(0.0, 0.0) == pytest.approx(2 / 3)
-    a.observe(4, 4)  # all accepted: no rejection seen
-    assert a.estimate(0.0, 0.0) == pytest.approx(6 / 7)
+    a.observe(4, 2)  # positions 1 and 2 accepted, 3 tried and rejected, 4 never tried
+    assert a.estimate(0.0, 0.0, 4) == pytest.approx([1.0, 1.0, 0.0, 0.0])
+    a.observe(4, 0)  # position 1 rejected
+    assert a.estimate(0.0, 0.0, 3) == pytest.approx([0.5, 1.0, 0.0])
     a.observe(0, 0)  # no drafts: no evidence
-    assert a.trials == pytest.approx(3 + 4)
-    fresh = Acceptance(half_life=1e9)
-    assert fresh.estimate(0.3, 2.0) == pytest.approx(0.3)
+    assert a.trials == pytest.approx([2, 1, 1])
+    assert a.estimate(0.3, 1.0, 4)[3] == pytest.approx(0.3)  # never tried: the prior
+    assert a.estimate([0.8, 0.2], 2.0, 4)[1:] == pytest.approx([(1 + 0.4) / 3, 0.4 / 3, 0.2])
     quick = Acceptance(half_life=2.0)
     for _ in range(20):
         quick.observe(4, 0)
     for _ in range(5):
         quick.observe(4, 4)
-    assert quick.estimate(0.0, 0.0) > 0.9  # recent evidence dominates
+    assert quick.estimate(0.0, 0.0, 1)[0] > 0.8  # recent evidence dominates
 
 
 def test_step_cost_fits_base_per_row_and_per_draft_and_keeps_the_prior_shape_before():
@@ -79,9 +89,9 @@ def test_a_large_compute_bound_batch_stops_drafting():
     assert choose_steps(5, [0.6], cost, GateState(), 0.0, CFG).num_steps > 0
 
 
-def test_the_choice_is_the_argmax_of_expected_tokens_per_second():
+@pytest.mark.parametrize("accs", [[0.7, 0.2, 0.95, 0.5], [[0.9, 0.6, 0.3], [0.4], [0.95, 0.9, 0.8, 0.7], 0.5]])
+def test_the_choice_is_the_argmax_of_expected_tokens_per_second(accs):
     cost = fitted(0.010, 0.001)
-    accs = [0.7, 0.2, 0.95, 0.5]
     rates = {k: sum(expected_tokens(a, k) for a in accs) / cost.seconds(4, k) for k in range(6)}
     best = max(rates, key=rates.get)
     assert best not in (0, 5)  # the case is interior, so the test tells a wrong argmax apart
@@ -97,7 +107,7 @@ def test_ceiling_zero_or_an_empty_batch_is_plain_and_opens_the_gate():
 
 def test_the_gate_shuts_on_low_acceptance_probes_each_interval_and_reopens():
     cost = fitted(0.010, 0.001)
-    cfg = StepPolicyConfig(probe_interval_s=1.0, probe_steps=2, probe_every_steps=1)
+    cfg = StepPolicyConfig(probe_interval_s=1.0, probe_steps=2, probe_every_steps=1, probe_budget=1.0)
     low = [0.01] * 4
     c = choose_steps(4, low, cost, GateState(), 10.0, cfg)
     assert (c.num_steps, c.reason, c.gate.shut) == (0, "gate", True)
@@ -123,10 +133,23 @@ def test_min_gain_keeps_a_marginal_draft_off():
 
 def test_slow_steps_probe_at_most_one_step_in_probe_every_steps():
     cost = fitted(0.010, 0.001)
-    cfg = StepPolicyConfig(probe_interval_s=1.0, probe_every_steps=4)
+    cfg = StepPolicyConfig(probe_interval_s=1.0, probe_every_steps=4, probe_budget=1.0)
     gate, kinds = GateState(), []
     for step in range(13):  # a step every 2 s: every step is past the interval
         c = choose_steps(4, [0.01] * 4, cost, gate, 2.0 * step, cfg)
         gate = c.gate
         kinds.append(c.reason)
     assert kinds == ["gate", "gate", "gate", "gate", "probe"] + ["gate"] * 3 + ["probe"] + ["gate"] * 3 + ["probe"]
+
+
+def test_probes_that_cost_more_are_spaced_further_apart_within_the_budget():
+    cfg = StepPolicyConfig(probe_every_steps=4, probe_budget=0.02)
+    cheap, dear = fitted(0.010, 0.00001), fitted(0.010, 0.001)
+    assert probe_spacing(1, 1, cheap, cfg) == 4  # the floor
+    extra = dear.seconds(16, 1) / dear.seconds(16, 0) - 1  # 16 more rows: 0.016 / 0.026
+    assert probe_spacing(16, 1, dear, cfg) == math.ceil(extra / 0.02)
+    gate, probes = GateState(), 0
+    for step in range(300):
+        c = choose_steps(4, [0.01] * 16, dear, gate, 2.0 * step, cfg)
+        gate, probes = c.gate, probes + (c.reason == "probe")
+    assert probes == 300 // math.ceil(extra / 0.02)

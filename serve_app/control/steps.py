@@ -5,13 +5,14 @@ The cluster controller (:func:`serve_app.control.policy.decide`) sets ``ceiling`
 draft steps any replica may run now. Each engine step then calls :func:`choose_steps` with
 what the engine knows at that moment:
 
-- the acceptance estimate of every sequence in the batch (:class:`Acceptance`, an exponential
-  moving average per request that starts from the engine's own);
+- the acceptance estimate of every sequence in the batch, by draft position (:class:`Acceptance`,
+  decayed counts per request that start from the engine's own);
 - the cost of a step of ``batch`` sequences fed ``1 + k`` tokens each, drafted in ``k``
   sequential draft passes (:class:`StepCost`, learned online from the engine's own steps).
 
-A sequence whose drafts are accepted with probability ``a`` each (the first rejection ends the
-run) gains ``1 + a + ... + a^k`` tokens from a verify of ``k`` drafts. The choice maximizes the
+A sequence whose draft at position ``j`` is accepted with probability ``a_j`` once the ones
+before it were (the first rejection ends the run) gains ``1 + a_1 + a_1·a_2 + ...`` tokens from a
+verify of ``k`` drafts; a draft head's later guesses are accepted less often than its first. The choice maximizes the
 batch's expected tokens per second of step time. The batch is padded to its widest row, so one
 draft length serves the whole batch; sequences whose own cap is lower (a per-request
 ``max_steps``, a long prompt, the end of ``max_tokens``) draft less inside it.
@@ -26,6 +27,7 @@ Pure: no torch, no clock, no I/O. The engine owns the state objects and the time
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,50 +40,75 @@ class StepPolicyConfig(Strict):
     """How an engine picks each step's draft length under the cluster's ceiling."""
 
     probe_interval_s: float = Field(1.0, gt=0, description="while the gate is shut, one probing step this often")
-    probe_steps: int = Field(2, ge=1, description="draft tokens of a probing step (capped by the ceiling)")
-    probe_every_steps: int = Field(
-        10, ge=1, description="while the gate is shut, at most one probing step in this many (slow steps probe less)")
+    probe_steps: int = Field(1, ge=1, description="draft tokens of a probing step (capped by the ceiling)")
+    probe_every_steps: int = Field(4, ge=1, description="while the gate is shut, at most one probing step in this many")
+    probe_budget: float = Field(
+        0.02, gt=0, le=1, description="while the gate is shut, probing steps cost at most this share of step time "
+        "over plain decoding (a probe that doubles a step's cost runs at most one step in 1 / budget)")
     min_gain: float = Field(1.02, ge=1.0, description="k > 0 must beat plain decoding by this factor")
     prior_trials: float = Field(
         2.0, ge=0, description="weight, in draft tokens, of the engine's acceptance in a new request's estimate")
-    request_half_life: float = Field(16.0, gt=0, description="a request's estimate halves old evidence every N drafts")
-    engine_half_life: float = Field(64.0, gt=0, description="the engine's estimate halves old evidence every N drafts")
+    request_half_life: float = Field(8.0, gt=0, description="a request's estimate halves old evidence every N verifies")
+    engine_half_life: float = Field(
+        256.0, gt=0, description="the engine's estimate halves old evidence every N verifies (one per request a step)")
     initial_acceptance: float = Field(0.5, ge=0, le=1, description="the engine's estimate before any verify")
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a sequence gains from one verify of ``k`` drafts, each accepted with probability
-    ``acceptance`` after the ones before it: 1 + a + a^2 + ... + a^k."""
-    a = min(max(acceptance, 0.0), 1.0)
+def _clip(a: float) -> float:
+    return min(max(a, 0.0), 1.0)
+
+
+def expected_tokens(acceptance: float | Sequence[float], k: int) -> float:
+    """Tokens a sequence gains from one verify of ``k`` drafts: 1 + a_1 + a_1·a_2 + ... over the
+    first ``k`` positions. ``acceptance``: one probability for every position (1 + a + ... +
+    a^k), or one per position, the last standing for the positions past the list."""
+    if not isinstance(acceptance, (int, float)):
+        total, run = 1.0, 1.0
+        for j in range(k):
+            run *= _clip(acceptance[min(j, len(acceptance) - 1)]) if acceptance else 0.0
+            total += run
+        return total
+    a = _clip(acceptance)
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 @dataclass(slots=True)
 class Acceptance:
-    """An acceptance estimate from decayed counts: accepted drafts over draft trials.
+    """Acceptance by draft position, from decayed counts: at position j, the drafts accepted over
+    the drafts tried there.
 
-    A verify of ``k`` drafts that accepts ``n`` is ``n`` successes in ``n + (1 if n < k else 0)``
-    trials: the drafts after the first rejection were never tried. The estimate is the
-    maximum-likelihood ``a`` of that geometric model; old evidence halves every ``half_life``
-    trials.
+    A verify of ``k`` drafts that accepts ``n`` tried positions 1..n+1 (1..k if all were
+    accepted) and accepted 1..n: the drafts after the first rejection were never tried. Old
+    evidence halves every ``half_life`` verifies.
     """
 
     half_life: float
-    accepted: float = 0.0
-    trials: float = 0.0
+    accepted: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
 
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        trials = accepted + (1 if accepted < proposed else 0)
-        keep = 0.5 ** (trials / self.half_life)
-        self.accepted = self.accepted * keep + accepted
-        self.trials = self.trials * keep + trials
+        tried = accepted + (1 if accepted < proposed else 0)
+        keep = 0.5 ** (1.0 / self.half_life)
+        if len(self.trials) < tried:
+            self.trials += [0.0] * (tried - len(self.trials))
+            self.accepted += [0.0] * (tried - len(self.accepted))
+        for j in range(len(self.trials)):
+            self.trials[j] = self.trials[j] * keep + (1.0 if j < tried else 0.0)
+            self.accepted[j] = self.accepted[j] * keep + (1.0 if j < accepted else 0.0)
 
-    def estimate(self, prior: float, prior_trials: float) -> float:
-        """The estimate, with ``prior`` counted as ``prior_trials`` trials."""
-        total = self.trials + prior_trials
-        return (self.accepted + prior * prior_trials) / total if total > 0 else prior
+    def estimate(self, prior: float | Sequence[float], prior_trials: float, depth: int) -> list[float]:
+        """Acceptance at positions 1..depth, each with the prior's (one number, or one per
+        position, the last for the positions past it) counted as ``prior_trials`` trials."""
+        out = []
+        for j in range(depth):
+            p = prior if isinstance(prior, (int, float)) else prior[min(j, len(prior) - 1)]
+            tried = self.trials[j] if j < len(self.trials) else 0.0
+            hit = self.accepted[j] if j < len(self.accepted) else 0.0
+            total = tried + prior_trials
+            out.append((hit + p * prior_trials) / total if total > 0 else p)
+        return out
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -168,16 +195,24 @@ class StepChoice:
     expected_tokens_per_s: float = 0.0
 
 
-def rate(acceptances: Sequence[float], k: int, cost: StepCost) -> float:
+def rate(acceptances: Sequence[float | Sequence[float]], k: int, cost: StepCost) -> float:
     """Expected output tokens per second of a step of these sequences at ``k`` drafts."""
     return sum(expected_tokens(a, k) for a in acceptances) / cost.seconds(len(acceptances), k)
 
 
-def choose_steps(ceiling: int, acceptances: Sequence[float], cost: StepCost, gate: GateState, now: float,
-                 config: StepPolicyConfig) -> StepChoice:
+def probe_spacing(batch: int, k: int, cost: StepCost, config: StepPolicyConfig) -> int:
+    """Steps between two probes of ``k`` drafts at this batch: at least ``probe_every_steps``,
+    and enough that the probes' extra cost over plain steps stays within ``probe_budget``."""
+    extra = cost.seconds(batch, k) / cost.seconds(batch, 0) - 1.0
+    return max(config.probe_every_steps, math.ceil(extra / config.probe_budget - 1e-9))
+
+
+def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], cost: StepCost, gate: GateState,
+                 now: float, config: StepPolicyConfig) -> StepChoice:
     """This step's draft length: the ``k`` in ``0..ceiling`` with the most expected tokens per
     second; 0 unless it beats plain decoding by ``min_gain``. While that keeps speculation
-    off, a probing step of ``probe_steps`` drafts runs every ``probe_interval_s``.
+    off, a probing step of ``probe_steps`` drafts runs every ``probe_interval_s`` and at most
+    once in :func:`probe_spacing` steps. Each acceptance is one number or one per position.
 
     ``cost`` is asked only ``seconds(batch, k)``: any object with that method works (the
     simulator passes step times read off an engine curve)."""
@@ -193,8 +228,8 @@ def choose_steps(ceiling: int, acceptances: Sequence[float], cost: StepCost, gat
         return StepChoice(best_k, "gain", GateState(False, gate.last_probe_at, gate.steps_since_probe + 1), best)
     if not gate.shut:  # the gate shuts now; the first probe is due one interval later
         return StepChoice(0, "gate", GateState(True, now, 0), plain)
+    k = min(ceiling, config.probe_steps)
     due = gate.last_probe_at is None or now - gate.last_probe_at >= config.probe_interval_s
-    if due and gate.steps_since_probe + 1 >= config.probe_every_steps:
-        k = min(ceiling, config.probe_steps)
+    if due and gate.steps_since_probe + 1 >= probe_spacing(len(acceptances), k, cost, config):
         return StepChoice(k, "probe", GateState(True, now, 0), rate(acceptances, k, cost))
     return StepChoice(0, "gate", GateState(True, gate.last_probe_at, gate.steps_since_probe + 1), plain)

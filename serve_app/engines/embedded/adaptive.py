@@ -25,18 +25,19 @@ class StepChooser:
         self.reasons: dict[str, int] = {}
         self.history: deque[tuple[float, int]] = deque()  # (time, k) of recent decode steps
 
-    def prior(self) -> float:
-        return self.engine.estimate(self.config.initial_acceptance, 1.0)
+    def prior(self, depth: int) -> list[float]:
+        """The engine's acceptance at draft positions 1..depth."""
+        return self.engine.estimate(self.config.initial_acceptance, 1.0, depth)
 
-    def estimate(self, request_id: str) -> float:
-        """A request's acceptance: its own drafts, with the engine's estimate as a prior."""
+    def estimate(self, request_id: str, prior: list[float]) -> list[float]:
+        """A request's acceptance by position: its own drafts, with the engine's as a prior."""
         own = self.requests.get(request_id)
-        prior = self.prior()
-        return prior if own is None else own.estimate(prior, self.config.prior_trials)
+        return prior if own is None else own.estimate(prior, self.config.prior_trials, len(prior))
 
     def choose(self, request_ids: list[str], ceiling: int) -> int:
         now = self.clock()
-        choice = choose_steps(ceiling, [self.estimate(r) for r in request_ids], self.cost, self.gate, now,
+        prior = self.prior(ceiling)
+        choice = choose_steps(ceiling, [self.estimate(r, prior) for r in request_ids], self.cost, self.gate, now,
                               self.config)
         self.gate, self.last = choice.gate, choice
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
@@ -69,7 +70,7 @@ class StepChooser:
         """What /v1/speculation and the tests read."""
         base, per_row, per_draft = self.cost.coefficients()
         return {
-            "engine_acceptance": round(self.prior(), 4),
+            "engine_acceptance": [round(a, 4) for a in self.prior(max(1, len(self.engine.trials)))],
             "gate_shut": self.gate.shut,
             "last_reason": None if self.last is None else self.last.reason,
             "reasons": dict(self.reasons),

@@ -133,9 +133,10 @@ def switch_storm(
 
 def soak(t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, duration_s: float = 600,
          sample_s: float = 30.0) -> dict:
-    """Moderate load for ``duration_s`` in auto mode, after a warm-up: every replica's RSS every
-    ``sample_s`` (its largest drift from the first sample, in percent) and the p99 of the
-    streams' TTFT in the first and in the last minute."""
+    """Moderate load for ``duration_s`` in auto mode, after a warm-up: every replica's RSS idle
+    before the load, every ``sample_s`` under it (its largest drift from the first sample, in
+    percent) and idle again ``sample_s`` / 6 after it, and the p99 of the streams' TTFT in the
+    first and in the last minute."""
     from .stats import percentile
 
     started = time.monotonic()
@@ -143,6 +144,7 @@ def soak(t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, durat
     t.force({"mode": "auto"}).raise_for_status()
     rss = lambda: {i["replica_id"]: i["rss_bytes"] / 2**20 for i in t.replica_infos()}  # noqa: E731
     samples: list[dict[str, float]] = []
+    idle_before = rss()
     with Load(t.prefix, clients, max_tokens, ref) as load:
         time.sleep(min(30.0, duration_s / 10))  # warm: caches and allocator pools filled
         begin = time.monotonic()
@@ -150,12 +152,16 @@ def soak(t: Target, replicas: int, clients: int = 4, max_tokens: int = 32, durat
             samples.append(rss())
             time.sleep(min(sample_s, max(0.0, begin + duration_s - now)))
         samples.append(rss())
+    time.sleep(min(5.0, sample_s / 6))  # the last streams end; an engine with no requests shrinks its cache
+    idle_after = rss()
     per_replica = {}
     for rid, first in samples[0].items():
         series = [s[rid] for s in samples if rid in s]
         drift = max(abs(v - first) for v in series) / first * 100
         per_replica[rid] = {"first_mib": round(first, 1), "last_mib": round(series[-1], 1),
-                            "max_mib": round(max(series), 1), "max_drift_pct": round(drift, 2)}
+                            "max_mib": round(max(series), 1), "max_drift_pct": round(drift, 2),
+                            "idle_before_mib": round(idle_before.get(rid, float("nan")), 1),
+                            "idle_after_mib": round(idle_after.get(rid, float("nan")), 1)}
     minute = lambda lo, hi: [s for at, s in load.ttft if lo <= at - begin < hi]  # noqa: E731
     first_min, last_min = minute(0, 60), minute(max(0.0, duration_s - 60), duration_s)
     p99 = lambda xs: None if not xs else round(percentile(xs, 99) * 1000, 1)  # noqa: E731

@@ -71,8 +71,12 @@ class EngineSteps:
         self.shut |= closing
         self.last_probe[closing] = now
         due = gated & ~closing & (np.isnan(self.last_probe) | (now - self.last_probe >= cfg.probe_interval_s))
-        due &= self.since_probe + 1 >= self.probe_every
-        k[due] = np.minimum(ceiling[due], cfg.probe_steps)
+        probe_k = np.minimum(ceiling, cfg.probe_steps)
+        # choose_steps' probe_spacing: the floor, and the probes' extra cost within the budget
+        extra = self.step_time[probe_k, batch] / self.step_time[0, batch] - 1.0
+        spacing = np.maximum(self.probe_every, np.ceil(extra / getattr(cfg, "probe_budget", np.inf) - 1e-9))
+        due &= self.since_probe + 1 >= spacing
+        k[due] = probe_k[due]
         self.last_probe[due] = now
         self.since_probe += 1
         self.since_probe[closing | due] = 0
