@@ -204,13 +204,13 @@ async def probe(variant: str, model: str, draft: str) -> dict:
     return result
 
 
-async def switched(se, engine, ids) -> list[dict]:
-    """Greedy outputs while the step count cycles 3 -> 0 -> 1 every 20 ms."""
+async def greedy_while(engine, ids, change, values) -> list[dict]:
+    """Greedy outputs while ``change(value)`` cycles through ``values``, one every 20 ms."""
 
     async def flip():
         while True:
-            for n in (0, 1, 3):
-                await se.set_num_steps(n)
+            for value in values:
+                await change(value)
                 await asyncio.sleep(0.02)
 
     task = asyncio.create_task(flip())
@@ -218,6 +218,16 @@ async def switched(se, engine, ids) -> list[dict]:
         return await greedy(engine, ids, logprobs=False)
     finally:
         task.cancel()
+
+
+async def switched(se, engine, ids) -> list[dict]:
+    """Greedy outputs while the step count cycles 3 -> 0 -> 1 every 20 ms."""
+    return await greedy_while(engine, ids, se.set_num_steps, (0, 1, 3))
+
+
+async def toggled(se, engine, ids) -> list[dict]:
+    """Greedy outputs at ceiling 3 while the step policy flips fixed <-> adaptive every 20 ms."""
+    return await greedy_while(engine, ids, se.set_step_policy, ("fixed", "adaptive"))
 
 
 SIDES = (("fixed", 3), ("adaptive", 3), ("fixed", 0))
@@ -251,21 +261,6 @@ async def side_by_side(se, engine, ids) -> list[dict]:
                   flush=True)
     return rows
 
-
-async def toggled(se, engine, ids) -> list[dict]:
-    """Greedy outputs at ceiling 3 while the step policy flips fixed <-> adaptive every 20 ms."""
-
-    async def flip():
-        while True:
-            for policy in ("fixed", "adaptive"):
-                await se.set_step_policy(policy)
-                await asyncio.sleep(0.02)
-
-    task = asyncio.create_task(flip())
-    try:
-        return await greedy(engine, ids, logprobs=False)
-    finally:
-        task.cancel()
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
