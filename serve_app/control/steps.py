@@ -11,16 +11,18 @@ what the engine knows at that moment:
   sequential draft passes (:class:`StepCost`, learned online from the engine's own steps).
 
 A sequence whose draft at position ``j`` is accepted with probability ``a_j`` once the ones
-before it were (the first rejection ends the run) gains ``1 + a_1 + a_1·a_2 + ...`` tokens from a
-verify of ``k`` drafts; a draft head's later guesses are accepted less often than its first. The choice maximizes the
-batch's expected tokens per second of step time. The batch is padded to its widest row, so one
+before it were (the first rejection ends the run) gains ``1 + a_1 + a_1·a_2 + ...`` tokens from
+a verify of ``k`` drafts; a draft head's later guesses are accepted less often than its first.
+The choice maximizes the batch's expected tokens per second of step time. The batch is
+padded to its widest row, so one
 draft length serves the whole batch; sequences whose own cap is lower (a per-request
 ``max_steps``, a long prompt, the end of ``max_tokens``) draft less inside it.
 
 The gate: when the estimates make every ``k > 0`` lose, speculation stops and the estimates
-stop moving. Every ``probe_interval_s``, and no more often than one step in
-``probe_every_steps``, one step drafts ``probe_steps`` tokens anyway, so a change of traffic
-(copy-heavy prompts after chat) is seen and speculation comes back.
+stop moving. Every ``probe_interval_s`` one step drafts ``probe_steps`` tokens anyway, no
+more often than :func:`probe_spacing` allows (the probes' extra cost within
+``probe_budget``), so a change of traffic (copy-heavy prompts after chat) is seen and
+speculation comes back.
 
 Pure: no torch, no clock, no I/O. The engine owns the state objects and the time.
 """
@@ -47,7 +49,7 @@ class StepPolicyConfig(Strict):
         "over plain decoding (a probe that doubles a step's cost runs at most one step in 1 / budget)")
     min_gain: float = Field(1.02, ge=1.0, description="k > 0 must beat plain decoding by this factor")
     prior_trials: float = Field(
-        2.0, ge=0, description="weight, in draft tokens, of the engine's acceptance in a new request's estimate")
+        2.0, ge=0, description="weight, in tries per draft position, of the engine's acceptance in a request's")
     request_half_life: float = Field(8.0, gt=0, description="a request's estimate halves old evidence every N verifies")
     engine_half_life: float = Field(
         256.0, gt=0, description="the engine's estimate halves old evidence every N verifies (one per request a step)")
