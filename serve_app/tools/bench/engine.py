@@ -147,9 +147,11 @@ _request_ids = itertools.count()
 IGNORE_EOS = False  # set from --ignore-eos for the whole run
 
 
-async def timed_request(engine, prompt: str, max_tokens: int) -> RequestTiming:
-    """Send one greedy request and time its token deltas from submission."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=IGNORE_EOS)
+async def timed_request(engine, prompt: str, max_tokens: int, params: SamplingParams | None = None) -> RequestTiming:
+    """Send one request (greedy unless ``params`` say otherwise) and time its token deltas from
+    submission."""
+    if params is None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=IGNORE_EOS)
     t0 = time.perf_counter()
     first = last = None
     tokens = 0

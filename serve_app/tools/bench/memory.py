@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import time
 
 import psutil
 
-from serve_app.engines.base import GenerateRequest, SamplingParams
+from serve_app.engines.base import SamplingParams
 
+from .engine import timed_request
 from .prompts import PROMPT_SETS, chat_messages
 from .stats import emit
 
@@ -75,14 +75,9 @@ async def measure(args) -> dict:
     idle = reading()
     prompts = [engine.apply_chat_template(chat_messages(p)) for p in PROMPT_SETS["chat"]]
     await engine.set_num_steps(args.num_steps)
-    ids = itertools.count()
-
     async def one(prompt: str) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        tokens = 0
-        async for delta in engine.generate(GenerateRequest(f"mem-{next(ids)}", prompt=prompt, params=params)):
-            tokens += len(delta.token_ids)
-        return tokens
+        return (await timed_request(engine, prompt, args.max_tokens, params)).output_tokens
 
     peak = dict(idle)
     done = asyncio.Event()

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from collections import Counter
 
 from tqdm import tqdm
 
-from serve_app.engines.base import GenerateRequest, SamplingParams
+from serve_app.engines.base import SamplingParams
 
-from .engine import IGNORE_EOS, Tally, _int_list, closed_loop, mirrored
+from .engine import IGNORE_EOS, Tally, _int_list, closed_loop, mirrored, timed_request
 from .prompts import PROMPT_SETS, chat_messages
 from .stats import RequestTiming, emit
 
@@ -56,18 +55,6 @@ def mixed(i: int, rendered: dict[str, list[str]], max_tokens: int) -> tuple[str,
         ignore_eos=IGNORE_EOS)
 
 
-async def timed(engine, prompt: str, params: SamplingParams, rid: str) -> RequestTiming:
-    t0 = time.perf_counter()
-    first = last = None
-    tokens = 0
-    async for delta in engine.generate(GenerateRequest(rid, prompt=prompt, params=params)):
-        if delta.token_ids:
-            last = time.perf_counter() - t0
-            first = last if first is None else first
-            tokens += len(delta.token_ids)
-    return RequestTiming(tokens, first if first is not None else float("nan"), last if last is not None else float("nan"))
-
-
 def run(args: argparse.Namespace) -> int:
     result = asyncio.run(benchmark(args))
     return emit(result, format_report(result), args.out)
@@ -90,7 +77,6 @@ async def benchmark(args) -> dict:
     rendered = {name: [engine.apply_chat_template(chat_messages(p)) for p in prompts]
                 for name, prompts in PROMPT_SETS.items()}
     sides = [*(f"fixed {k}" for k in args.num_steps), "adaptive"]
-    counter = iter(range(10**9))
 
     async def point(side: str, c: int, indices: range, tally: Tally) -> None:
         engine.core.chooser = chooser if side == "adaptive" else None
@@ -99,7 +85,7 @@ async def benchmark(args) -> dict:
 
         async def send(i: int) -> RequestTiming:
             prompt, params = mixed(i, rendered, args.max_tokens)
-            return await timed(engine, prompt, params, f"steps-{next(counter)}")
+            return await timed_request(engine, prompt, args.max_tokens, params)
 
         await closed_loop(send, c, indices, progress, tally)
         while engine.core.has_work():
