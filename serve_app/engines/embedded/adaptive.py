@@ -12,6 +12,8 @@ from collections import deque
 
 from serve_app.control.steps import Acceptance, GateState, StepChoice, StepCost, StepPolicyConfig, choose_steps
 
+WINDOW_S = 5.0  # mean_num_steps averages the decode steps of this many seconds, as load()'s other rates
+
 
 class StepChooser:
     def __init__(self, config: StepPolicyConfig, clock=time.monotonic):
@@ -42,7 +44,7 @@ class StepChooser:
         self.gate, self.last = choice.gate, choice
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         self.history.append((now, choice.num_steps))
-        while self.history and self.history[0][0] < now - 5.0:
+        while self.history and self.history[0][0] < now - WINDOW_S:
             self.history.popleft()
         return choice.num_steps
 
@@ -63,7 +65,7 @@ class StepChooser:
     def mean_num_steps(self) -> float | None:
         """Mean draft length of the decode steps of the last 5 s (None: no step)."""
         now = self.clock()
-        recent = [k for t, k in self.history if t >= now - 5.0]
+        recent = [k for t, k in self.history if t >= now - WINDOW_S]
         return sum(recent) / len(recent) if recent else None
 
     def state(self) -> dict:
