@@ -47,6 +47,12 @@ def test_pack_linears_swaps_a_modules_linears_and_keeps_its_output():
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 576)]
 
 
+# Decode and verify steps feed 1 to max_num_seqs x (draft steps + 1) rows (32 x 6): every
+# count to 40 and around each multiple of 16 up to 192.
+PROBE_ROWS = 192
+PROBE_COUNTS = sorted({*range(1, 41), *(m + d for m in range(48, PROBE_ROWS + 1, 16) for d in (-1, 0, 1))} - {PROBE_ROWS + 1})
+
+
 def _weight(n, k, seed=0):
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k**-0.5
 
@@ -56,13 +62,23 @@ def _weight(n, k, seed=0):
 def test_every_format_gives_a_row_the_same_bits_whatever_the_rows_beside_it(weights, n, k):
     """Verify (k + 1 rows per sequence, B sequences) and plain decode (one row) must agree."""
     lin = make_linear(weights, _weight(n, k))
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(PROBE_ROWS, k, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         full = lin(x)
-        for rows in [*range(1, 18), 33, 39]:
-            assert torch.equal(lin(x[:rows]), full[:rows]), f"{rows} rows differ from the same rows among 40"
-        assert torch.equal(lin(x.view(8, 5, k)), full.view(8, 5, n))
+        for rows in PROBE_COUNTS:
+            assert torch.equal(lin(x[:rows]), full[:rows]), f"{rows} rows differ from the same rows among {PROBE_ROWS}"
+        assert torch.equal(lin(x[:40].view(8, 5, k)), full[:40].view(8, 5, n))
         assert torch.equal(lin(x[:1].view(1, 1, k)), full[:1].view(1, 1, n))
+
+
+def test_bfloat16_lm_head_calls_of_64_rows_keep_each_rows_bits():
+    lin = make_linear("bfloat16", _weight(49152, 576))
+    assert lin.chunk == 64
+    x = torch.randn(PROBE_ROWS, 576, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        full = lin(x)
+        for rows in (1, 2, 5, 17, 33, 63, 64, 65, 100, 128, 129, 191):
+            assert torch.equal(lin(x[:rows]), full[:rows]), f"{rows} rows differ from the same rows among {PROBE_ROWS}"
 
 
 @pytest.mark.parametrize("weights,tolerance", [("bfloat16", 0.02), ("int8", 0.03), ("q4_1", 0.1)])
