@@ -110,6 +110,23 @@ def test_a_consumer_that_goes_away_frees_its_slot(engine):
     assert asyncio.run(main())
 
 
+def test_a_consumer_that_goes_away_beside_others_leaves_the_engine_serving(engine):
+    """Aborting slot 0 moves the next sequence's cache into it, off the step."""
+    async def main():
+        first = engine.generate(req(2, max_tokens=100))
+        second = asyncio.ensure_future(collect(engine, req(3, max_tokens=40)))
+        n = 0
+        async for _ in first:
+            n += 1
+            if n == 5:
+                break
+        await first.aclose()
+        deltas = await asyncio.wait_for(second, 60)
+        after = await asyncio.wait_for(collect(engine, req(4, max_tokens=8)), 60)
+        return deltas[-1].completion_tokens, after[-1].completion_tokens
+    assert asyncio.run(main()) == (40, 8)
+
+
 def test_seeded_sampling_is_reproducible(engine):
     async def main():
         a = await collect(engine, req(2, max_tokens=16, temperature=0.9, top_p=0.9, seed=42))

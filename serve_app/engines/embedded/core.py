@@ -85,6 +85,7 @@ class EngineCore:
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop)
         self.scheduler.add(seq)
 
+    @torch.inference_mode()  # the cache's tensors are inference tensors: moving a slot writes them
     def abort(self, request_id: str) -> None:
         seq = self.scheduler.abort(request_id)
         if seq is not None and seq.status is not Status.FINISHED:

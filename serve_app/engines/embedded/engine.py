@@ -235,12 +235,12 @@ class EmbeddedEngine:
         _name_os_thread("specserve-step")
         core = self.core
         while not self._stopping:
-            self._drain()
-            if not core.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
             try:
+                self._drain()
+                if not core.has_work():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
                 core.step()
             except Exception:  # a bug must not take the engine down with every request in it
                 log.exception("engine step failed; aborting its requests")
