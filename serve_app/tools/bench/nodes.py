@@ -252,6 +252,9 @@ def node_controller(t: Target, cluster: LocalCluster, replicas: int, clients: in
                 raise TimeoutError(f"the controller did not come back within {timeout_s} s")
             if added is None and time.monotonic() - removed_at >= replace_after_s:
                 added = cluster.label(cluster.add_worker().node_id)
+            # Sampled before each look for the controller: Ray may restart it on a live node
+            # within the first look, and the replicas' modes right after the removal count.
+            modes_while_away.extend(_live_modes(t))
             try:
                 # The actor's process may answer for a moment after its raylet is killed.
                 back_on = controller_node(t.app_name, timeout_s=1.0)
@@ -259,7 +262,6 @@ def node_controller(t: Target, cluster: LocalCluster, replicas: int, clients: in
             except Exception:  # the node's death not yet noticed, or the actor restarting
                 pass
             if back_on is None:
-                modes_while_away.extend(_live_modes(t))
                 time.sleep(0.2)
         controller_back_s = round(time.monotonic() - removed_at, 1)
         recovery = _recover(t, cluster, load, at_removal, removed_at, added, mode, replicas, replace_after_s, timeout_s)
