@@ -22,7 +22,7 @@ Lossless speculation needs every product to give a row the same bits whatever th
 of rows beside it. oneDNN's product does not for one row (its single-row path sums a long K
 in another order: SmolLM2's down projection, K = 1536, differs in the last bits, in float32
 and bfloat16), so one row goes in paired with a copy of itself. In bfloat16 its kernel also
-changes with the row count, so that format feeds it a fixed number of rows at a time (``BF16Linear``). The int8 and int4 kernels are row-invariant as they are
+changes with the row count, so that format feeds it 16 rows at a time (``BF16Linear``). The int8 and int4 kernels are row-invariant as they are
 (tests/test_linear.py checks 1 to 192 rows for every format).
 """
 
@@ -92,32 +92,34 @@ class _CompactLinear:
         return out if self.bias is None else out + self.bias
 
 
+BF16_ROWS = 16  # rows per oneDNN call in bfloat16: the layout the weight is reordered for
+
+
 class BF16Linear(_CompactLinear):
-    """The weight rounded to bfloat16, reordered once for oneDNN, in calls of a fixed row count.
+    """The weight rounded to bfloat16, reordered once for oneDNN, in calls of 16 rows.
 
     oneDNN picks its bfloat16 kernel by the row count, and the kernels sum K in different
     orders (on this project's machine, K = 1536 from 13 rows on, K = 576 from 24; other CPUs
     differ elsewhere, and a bfloat16 output hides most differences, so a probe cannot rule
-    them out). So every call has exactly ``chunk`` rows, the last one padded with zeros: a
-    row's bits then depend on nothing beside it. Each call reads the weight once: 16 rows for
-    the layers' projections; 64 for a weight of 16M values or more (the LM head, 49152 x 576),
-    whose read costs more than 64 rows of products. Measured on this machine, one thread,
-    against one call of all the rows: 576 x 1536, 1.3-1.6x at 1 to 16 rows, 2.6-3.1x at 64 to
-    128; the LM head in calls of 64, 1.0x at 64 rows, 2x at 65 to 128."""
+    them out). So every call has exactly 16 rows, the last one padded with zeros: a row's bits
+    then depend on nothing beside it. Each call reads the weight once. Measured on this
+    machine, one thread, against one call of all the rows: 576 x 1536, 1.3-1.6x at 1 to 16
+    rows and about 3x at 64 to 128; the LM head (49152 x 576), 1.1x at 1 to 16 rows (2.7
+    against 2.5 ms) and 2.7x at 64. Calls of 64 rows would cost the LM head 1.6x at 1 row."""
 
-    __slots__ = ("packed", "chunk")
+    __slots__ = ("packed",)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.packed, self.bias = _reorder(weight.to(torch.bfloat16)), bias
         if self.packed is None:
             raise RuntimeError("the bfloat16 weight format needs oneDNN on the CPU")
-        self.chunk = 64 if weight.numel() >= 1 << 24 else 16
 
     def _product(self, rows):
-        m, c = rows.shape[0], self.chunk
-        if m % c:
-            rows = F.pad(rows, (0, 0, 0, c - m % c))
-        outs = [torch.ops.mkldnn._linear_pointwise(r, self.packed, None, "none", [], "") for r in rows.split(c)]
+        m = rows.shape[0]
+        if m % BF16_ROWS:
+            rows = F.pad(rows, (0, 0, 0, BF16_ROWS - m % BF16_ROWS))
+        outs = [torch.ops.mkldnn._linear_pointwise(r, self.packed, None, "none", [], "")
+                for r in rows.split(BF16_ROWS)]
         return (outs[0] if len(outs) == 1 else torch.cat(outs))[:m]
 
 
