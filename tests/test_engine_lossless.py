@@ -22,7 +22,7 @@ def random_schedule(seed: int, choices=(0, 1, 2, 3, 5), every=(1, 4)):
     return schedule
 
 
-# Each format doubles this file's run: int8 and bfloat16 are left out for time. The bfloat16
+# Each format doubles this file's run: int8 and bfloat16 get one short test below. The bfloat16
 # rounding of the compact formats turns any last-bit difference between a row decoded alone
 # and verified in a batch into a flipped argmax, so they check that products and attention are
 # row-invariant (test_linear.py, test_attention.py).
@@ -127,6 +127,16 @@ def test_long_prompts_are_capped_by_the_engine_option():
     long_only = [p for p, n in zip(TINY_PROMPTS, lengths, strict=True) if n > 60]
     run_greedy(engine, long_only, lambda s: 4, max_tokens=24)
     assert engine.core.totals["proposed"] == before  # none of them drafted
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_the_other_compact_formats_keep_greedy_output_for_every_num_steps(weights):
+    engine = sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
+                         weights=weights)
+    reference = run_greedy(engine, TINY_PROMPTS, lambda s: 0, max_tokens=24, together=False)
+    for schedule in (lambda s: 4, random_schedule(3)):
+        assert run_greedy(engine, TINY_PROMPTS, schedule, max_tokens=24, together=True) == reference
+    assert engine.core.totals["accepted"] > 0
 
 
 @pytest.mark.real_model
