@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import engine, faults, memory, report, serve, steps, trace
+from . import engine, faults, memory, ops, report, serve, steps, trace
 
 COMMANDS = {"engine": engine, "steps": steps, "serve": serve, "trace": trace, "report": report, "faults": faults,
-            "memory": memory}
+            "memory": memory, "ops": ops}
 
 
 def main(argv: list[str] | None = None) -> int:
