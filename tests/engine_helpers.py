@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from serve_app.engines.base import GenerateRequest, SamplingParams
-from serve_app.engines.embedded.engine import EmbeddedEngine, build_core
+from serve_app.engines.embedded.engine import EmbeddedEngine
 
 
 def sync_engine(**options) -> EmbeddedEngine:
     """An EmbeddedEngine whose core is built but whose step thread is not started."""
     engine = EmbeddedEngine(**options)
-    engine.core = build_core(engine.options)
-    engine.tokenizer = engine.core.tokenizer
-    engine.vocab_size = engine.core.model.shape.vocab_size
+    engine.build()
     return engine
 
 

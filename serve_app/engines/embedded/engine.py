@@ -104,12 +104,17 @@ class EmbeddedEngine:
     async def start(self) -> None:
         await asyncio.to_thread(self.start_sync)
 
-    def start_sync(self) -> None:
-        """Load the model and start the step thread (the blocking half of start())."""
-        t0 = time.monotonic()
+    def build(self) -> None:
+        """Build the core (model, tokenizer, cache) without starting the step thread: callers
+        that drive ``core.step()`` themselves (tests, ``bench ops``) stop here."""
         self.core = build_core(self.options)
         self.tokenizer = self.core.tokenizer
         self.vocab_size = self.core.model.shape.vocab_size
+
+    def start_sync(self) -> None:
+        """Load the model and start the step thread (the blocking half of start())."""
+        t0 = time.monotonic()
+        self.build()
         _ = self.sampling_defaults  # read the model's defaults now: a bad file fails start-up, not requests
         self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
         self._thread.start()

@@ -55,13 +55,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine(args):
-    from serve_app.engines.embedded.engine import EmbeddedEngine, build_core
+    from serve_app.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model=args.model, weights=args.weights, drafter=args.drafter,
-                            num_threads=args.num_threads, max_num_seqs=max(args.batch, 1), max_model_len=1024)
-    engine.core = build_core(engine.options)
-    engine.tokenizer = engine.core.tokenizer
-    engine.vocab_size = engine.core.model.shape.vocab_size
+                            num_threads=args.num_threads, max_num_seqs=args.batch, max_model_len=1024)
+    engine.build()
     return engine
 
 
