@@ -26,7 +26,7 @@ def random_schedule(seed: int, choices=(0, 1, 2, 3, 5), every=(1, 4)):
 # rounding of the compact formats turns any last-bit difference between a row decoded alone
 # and verified in a batch into a flipped argmax, so they check that products and attention are
 # row-invariant (test_linear.py, test_attention.py).
-@pytest.fixture(scope="module", params=["float32", "q4_1"])
+@pytest.fixture(scope="module", params=["float32", "q4_1", "gguf"])
 def tiny(request):
     # A small prefill budget makes long prompts prefill in chunks while others decode.
     return sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
@@ -140,7 +140,7 @@ def test_the_other_compact_formats_keep_greedy_output_for_every_num_steps(weight
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("weights", ["float32", "q4_1"])
+@pytest.mark.parametrize("weights", ["float32", "q4_1", "gguf"])
 def test_real_model_greedy_output_is_identical_for_every_num_steps_alone_and_batched(weights):
     engine = sync_engine(max_num_seqs=24, max_model_len=1024, weights=weights)
     prompts = [engine.apply_chat_template([{"role": "user", "content": p}])

@@ -39,10 +39,11 @@ class EmbeddedOptions(BaseModel):
     ngram_min: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
-    weights: Literal["float32", "bfloat16", "int8", "q4_1"] = Field(
+    weights: Literal["float32", "bfloat16", "int8", "q4_1", "gguf"] = Field(
         "float32", description="format of the matrix weights (CPU only but float32): q4_1 runs the layers' "
         "projections as 4-bit blocks (a GGUF's Q4_1 blocks as shipped, else made from float32) and the LM head in "
-        "bfloat16; int8 has one scale per output row",
+        "bfloat16; gguf runs a GGUF's Q4_1 layers and Q8_0 LM head as shipped, times activations quantized to int8 "
+        "per block of 32 (llama.cpp's arithmetic; needs a C compiler on first use); int8 has one scale per output row",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's")
     seed: int = 0

@@ -25,7 +25,7 @@ from .drafters import make_drafter
 from .kv_cache import KVCache, release_free_heap
 from .logits import LogitsState
 from .model import Llama
-from .quant import gguf_q4_1_blocks
+from .quant import gguf_q4_1_blocks, gguf_q8_0_tensors
 from .sequence import Sequence, Status
 from .weights import generation_defaults, load_model
 
@@ -44,10 +44,11 @@ def build_core(o: EmbeddedOptions) -> EngineCore:
     if o.max_model_len > s.max_position_embeddings:
         raise ValueError(f"max_model_len {o.max_model_len} exceeds the model's {s.max_position_embeddings} positions")
     dtype = _DTYPES[o.dtype]
-    blocks = None
-    if o.weights == "q4_1" and loaded.gguf is not None:
+    blocks, q8_0 = None, None
+    if o.weights in ("q4_1", "gguf") and loaded.gguf is not None:
         blocks = gguf_q4_1_blocks(loaded.gguf, s.num_heads, s.num_kv_heads)
-    model = Llama(s, loaded.state_dict, device, dtype, weights=o.weights, blocks=blocks)
+        q8_0 = gguf_q8_0_tensors(loaded.gguf) if o.weights == "gguf" else None
+    model = Llama(s, loaded.state_dict, device, dtype, weights=o.weights, blocks=blocks, q8_0=q8_0)
     cache = KVCache(s.num_layers, o.max_num_seqs, s.num_kv_heads, o.max_model_len + o.max_num_steps + 1,
                     s.head_dim, device, dtype)
     eos = set(s.eos_token_ids)
@@ -59,7 +60,7 @@ def build_core(o: EmbeddedOptions) -> EngineCore:
     core = EngineCore(model, loaded.tokenizer, drafter, cache, max_num_seqs=o.max_num_seqs,
                       max_prefill_tokens=o.max_prefill_tokens, eos_token_ids=eos,
                       chooser=StepChooser(o.adaptive) if o.step_policy == "adaptive" else None)
-    del loaded, blocks  # the loaded weights: the model holds its own copies
+    del loaded, blocks, q8_0  # the loaded weights: the model holds its own copies
     release_free_heap()
     return core
 

@@ -12,7 +12,8 @@ Elsewhere (CUDA, other dtypes, a build without oneDNN) it is ``F.linear``.
 
 The compact formats read fewer bytes per step (CPU only): ``bfloat16`` (oneDNN, reordered),
 ``int8`` (one scale per output row, ``_weight_int8pack_mm``) and ``q4_1`` (4-bit codes with
-a scale and a minimum per 32 weights, ``_weight_int4pack_mm_for_cpu``). Their kernels are
+a scale and a minimum per 32 weights, ``_weight_int4pack_mm_for_cpu``), and ``gguf`` (Q4_1
+blocks times int8 activations in ``qmm.c``, llama.cpp's arithmetic; qmm.py). The first three's kernels are
 fast for bfloat16 inputs only (float32 ones take a scalar path, 20x slower), so each casts
 its input to bfloat16 and its output back; the rest of the model stays in its dtype. The
 int4 kernel computes ``w = (q - 8) * scale + zero``, so Q4_1's ``d * q + m`` is scale d and
@@ -38,7 +39,7 @@ from .quant import GROUP, Q4Blocks, quantize_q4_1
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "gguf")
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
@@ -77,6 +78,10 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         return _onednn(x, self.packed, self.bias)
 
+    def normed(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The product of ``rms_norm(x) * weight``."""
+        return self(F.rms_norm(x, (x.shape[-1],), weight, eps))
+
 
 class _CompactLinear:
     """A product whose kernel takes bfloat16 rows [M, K]: casts in and out, adds the bias."""
@@ -90,6 +95,8 @@ class _CompactLinear:
         out = self._product(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(x.dtype)
         out = out.view(*x.shape[:-1], -1)
         return out if self.bias is None else out + self.bias
+
+    normed = Linear.normed
 
 
 BF16_ROWS = 16  # rows per oneDNN call in bfloat16: the layout the weight is reordered for
@@ -167,6 +174,9 @@ def make_linear(weights: str, weight: torch.Tensor, bias: torch.Tensor | None = 
         return Int8Linear(weight, bias)
     if weights == "q4_1":
         return Q4Linear(blocks if blocks is not None else quantize_q4_1(weight), bias)
+    if weights == "gguf":
+        from .qmm import Q4_1Linear
+        return Q4_1Linear(blocks if blocks is not None else quantize_q4_1(weight), bias)
     raise ValueError(f"unknown weight format {weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
 
 

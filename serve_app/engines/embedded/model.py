@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import qmm
 from .attention import attend, padded_length
 from .kv_cache import KVCache
 from .linear import make_linear
@@ -24,11 +25,13 @@ from .weights import LlamaShape
 class Llama:
     """Weights of a Llama-family model, fused for fewer kernel launches; the matrix products
     are ``linear.py``'s in the format ``weights`` (float32: oneDNN with weights reordered
-    once). ``blocks`` are Q4_1 blocks as a GGUF shipped them, used by the ``q4_1`` format for
-    the layers' projections (its LM head is bfloat16)."""
+    once). ``blocks`` are Q4_1 blocks as a GGUF shipped them, used by the ``q4_1`` and ``gguf``
+    formats for the layers' projections; ``q8_0`` the Q8_0 tensors it shipped, the ``gguf``
+    format's LM head (``q4_1``'s is bfloat16)."""
 
     def __init__(self, shape: LlamaShape, state: dict[str, torch.Tensor], device, dtype,
-                 weights: str = "float32", blocks: dict[str, Q4Blocks] | None = None):
+                 weights: str = "float32", blocks: dict[str, Q4Blocks] | None = None,
+                 q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.shape = shape
         self.device, self.dtype, self.weights = device, dtype, weights
         blocks = blocks or {}
@@ -48,7 +51,11 @@ class Llama:
             else "lm_head.weight"
         # Q4_1 blocks of the LM head would coarsen it (SmolLM2 ships it as Q8_0): on the chat
         # prompts, 15 % of float32's greedy tokens stayed the same against 53 % in bfloat16.
-        self.lm_head_linear = linear([head], fmt="bfloat16" if weights == "q4_1" else weights)
+        if weights == "gguf":  # the LM head in Q8_0, as llama.cpp runs it: shipped, else made from float32
+            from .qmm import Q8_0Linear, quantize_q8_0
+            self.lm_head_linear = Q8_0Linear(*((q8_0 or {}).get(head) or quantize_q8_0(state[head])))
+        else:
+            self.lm_head_linear = linear([head], fmt="bfloat16" if weights == "q4_1" else weights)
         self.lm_head = self.embed if head == "model.embed_tokens.weight" else t(head)  # the float weight, for the head trainer
         self.norm = t("model.norm.weight")
         self.layers = []
@@ -70,6 +77,8 @@ class Llama:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
+        # The gguf format runs each layer's attention in qmm.c (RoPE, cache write, attention).
+        self.fused_attention = weights == "gguf" and dtype == torch.float32
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache, slot0: int = 0,
@@ -97,8 +106,14 @@ class Llama:
         for i, w in enumerate(self.layers):
             if taps and i in taps:
                 tapped.append(x)
-            h = F.rms_norm(x, (s.hidden_size,), w["ln1"], s.rms_norm_eps)
-            qkv = w["qkv"](h)
+            qkv = w["qkv"].normed(x, w["ln1"], s.rms_norm_eps)
+            if self.fused_attention:
+                k_cache, v_cache = cache.layer(i)
+                attn = qmm.attention(qkv, pos, s.num_heads, s.num_kv_heads, self.cos, self.sin, k_cache, v_cache, slot0)
+                x = x + w["o"](attn)
+                gate, up = w["gate_up"].normed(x, w["ln2"], s.rms_norm_eps).chunk(2, dim=-1)
+                x = x + w["down"](F.silu(gate) * up)
+                continue
             xq = qkv[..., :nq].view(B, q, s.num_heads, d)
             xk = qkv[..., nq:nq + nkv].view(B, q, s.num_kv_heads, d)
             xv = qkv[..., nq + nkv:].view(B, q, s.num_kv_heads, d)
@@ -108,8 +123,7 @@ class Llama:
             v_cache[rows, :, pos] = xv
             attn = attend(xq, k_cache[slot0:slot0 + B, :, :L], v_cache[slot0:slot0 + B, :, :L], visible)
             x = x + w["o"](attn)
-            h = F.rms_norm(x, (s.hidden_size,), w["ln2"], s.rms_norm_eps)
-            gate, up = w["gate_up"](h).chunk(2, dim=-1)
+            gate, up = w["gate_up"].normed(x, w["ln2"], s.rms_norm_eps).chunk(2, dim=-1)
             x = x + w["down"](F.silu(gate) * up)
         hidden = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
         picked = hidden if logit_index is None else hidden[torch.arange(B)[:, None], logit_index]

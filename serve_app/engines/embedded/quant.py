@@ -4,9 +4,10 @@ Q4_1 (llama.cpp's format) stores each run of 32 weights of a row as 4-bit codes 
 a float16 scale ``d`` and minimum ``m``: ``w = d * q + m``. ``gguf_q4_1_blocks`` reads the
 tensors a GGUF ships as Q4_1 without changing a value, under the Hugging Face names, with
 the rows of q and k projections in Hugging Face's order (llama.cpp permutes them for its
-rotary layout; transformers undoes that on loading, and so do we). Tensors shipped in
-another type (SmolLM2's Q8_0 embedding) are left out: their float32 values are in the
-state dict, and ``quantize_q4_1`` makes blocks of them where a Q4_1 format needs some.
+rotary layout; transformers undoes that on loading, and so do we). ``gguf_q8_0_tensors``
+reads the Q8_0 ones (SmolLM2's embedding, which is also its LM head) the same way. Where a
+format needs blocks that a file did not ship, ``quantize_q4_1`` (and qmm.py's
+``quantize_q8_0``) make them from float32 weights.
 """
 
 from __future__ import annotations
@@ -60,6 +61,24 @@ def quantize_q4_1(weight: torch.Tensor) -> Q4Blocks:
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     codes = ((w - m[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
     return Q4Blocks(codes.reshape(n, k), d, m)
+
+
+def gguf_q8_0_tensors(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The Q8_0 tensors of a Llama GGUF file that are not per-head permuted (SmolLM2's tied
+    embedding and LM head), keyed by Hugging Face weight name: (codes [N, K] int8, scale
+    [N, K / 32] float32, exact copies of the float16 values)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        if t.tensor_type == GGMLQuantizationType.Q8_0 and t.name in names:
+            raw = np.asarray(t.data)
+            blocks = raw.reshape(raw.shape[0], -1, 2 + GROUP)
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            codes = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+            out[names[t.name]] = (torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(d)))
+    return out
 
 
 def gguf_q4_1_blocks(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Q4Blocks]:

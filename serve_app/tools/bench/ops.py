@@ -28,6 +28,7 @@ HELP = "per-op profile of the embedded engine's decode steps (torch.profiler), w
 GROUPS = {
     "aten::_weight_int4pack_mm_for_cpu": "int4 products (q4_1 layers)",
     "aten::_weight_int8pack_mm": "int8 products",
+    "qmm": "qmm products (gguf: Q4_1 layers, Q8_0 LM head)",
     "mkldnn::_linear_pointwise": "oneDNN products (float32, bfloat16, LM head)",
     "aten::addmm": "other matrix products",
     "aten::mm": "other matrix products",
@@ -37,7 +38,7 @@ GROUPS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model (default smollm2-135m-instruct)")
-    p.add_argument("--weights", default="float32", help="weight format: float32, bfloat16, int8 or q4_1")
+    p.add_argument("--weights", default="float32", help="weight format: float32, bfloat16, int8, q4_1 or gguf")
     p.add_argument("--drafter", default="eagle", help="drafter for --num-steps > 0 (default eagle)")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--batch", type=int, default=1, help="requests decoding together (default 1)")
@@ -92,6 +93,9 @@ def measure(args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     engine = _engine(args)
+    if args.weights == "gguf":
+        from serve_app.engines.embedded import qmm
+        qmm.profile_calls(True)
     chat = [engine.apply_chat_template(chat_messages(p)) for p in PROMPT_SETS["chat"]]
     prompts = [chat[i % len(chat)] for i in range(args.batch)]
     _pass(engine, prompts, 8, args.num_steps, "w")

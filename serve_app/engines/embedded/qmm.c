@@ -1,0 +1,515 @@
+/* Quantized matrix products for the embedded engine's `gguf` weight format (CPU).
+
+   y[m, n] = sum_k x[m, k] * W[n, k] with W as a GGUF ships it, in blocks of 32 along k: Q4_1
+   (4-bit codes q, float16 scale d and minimum mn: w = d * q + mn) for the layers' projections,
+   Q8_0 (int8 codes, float16 scale d: w = d * q) for the LM head. Each row of x is quantized per
+   block of 32 to int8 codes with one float scale (llama.cpp's Q8_1 / Q8_0 arithmetic), so a
+   block's dot product is an exact integer sum and only its scaling is floating point:
+
+       y[m, n] = sum over blocks b, in order, of  fma(dot_b, d[n,b] * xd[m,b], .)  (+ mn[n,b] * xs[m,b])
+
+   Lossless speculation needs a row's result not to depend on the rows beside it. Every output
+   element here is that same sequence of float operations whatever M is: a row of x is quantized
+   on its own, integer dots are exact, and M only decides how many rows share one load of a
+   weight block.
+
+   The weights are repacked once (qmm_pack_*) into the layout of the path compiled in:
+   - AVX512-VNNI: 16 output rows side by side, 4 bytes of k each per 32-bit lane, so one vpdpbusd
+     against 4 broadcast bytes of x advances 16 outputs and a block's dot lands whole in its
+     lane (llama.cpp's repacked kernels do the same); up to 4 rows of x share each weight load.
+   - otherwise (AVX2, or plain C): row by row as shipped, one block's dot in 8 lanes.
+
+   Compiled on first use with -march=native and -ffp-contract=off (qmm.py), so the float steps
+   are exactly those written here. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define MT 4 /* rows of x that share one weight load */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(QMM_NO_AVX512)
+#define QMM_AVX512 1
+#endif
+
+/* ---- activations: int8 per block of 32, one float scale xd and xd * sum(q) per block ---- */
+
+typedef struct {
+    int8_t *q;   /* [K] codes */
+    uint8_t *u;  /* [K] codes + 128, for Q8_0 weights on the AVX512 path (else NULL) */
+    float *d;    /* [nb] scales */
+    float *s;    /* [nb] scale * sum of the block's codes */
+} xrow_t;
+
+static void quantize_row(const float *x, int64_t K, xrow_t r) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            float a = fabsf(xb[j]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)nearbyintf(xb[j] * id);
+            r.q[b * QK + j] = (int8_t)v;
+            if (r.u) r.u[b * QK + j] = (uint8_t)(v + 128);
+            sum += v;
+        }
+        r.d[b] = d;
+        r.s[b] = d * (float)sum;
+    }
+}
+
+/* RMS norm of one row, as the model's: x / sqrt(mean(x^2) + eps) * w, the squares summed in order. */
+static void rms_norm_row(const float *x, const float *w, float eps, int64_t K, float *out) {
+    float ss = 0.0f;
+    for (int64_t j = 0; j < K; j++) ss += x[j] * x[j];
+    const float r = 1.0f / sqrtf(ss / (float)K + eps);
+    for (int64_t j = 0; j < K; j++) out[j] = (x[j] * r) * w[j];
+}
+
+void qmm_rms_norm(const float *x, const float *w, float eps, int64_t M, int64_t K, float *out) {
+    for (int64_t i = 0; i < M; i++) rms_norm_row(x + i * K, w + 0, eps, K, out + i * K);
+}
+
+/* x's rows (RMS-normed first when norm is not NULL) quantized into one allocation (freed by the caller). */
+static xrow_t *quantize(const float *x, const float *norm, float eps, int64_t M, int64_t K, int with_u) {
+    const int64_t nb = K / QK;
+    size_t bytes = sizeof(xrow_t) * M + sizeof(float) * (2 * M * nb + (norm ? K : 0))
+                   + (size_t)(M * K) * (with_u ? 2 : 1);
+    char *p = malloc(bytes);
+    if (!p) return NULL;
+    xrow_t *rows = (xrow_t *)p;
+    float *f = (float *)(rows + M);
+    float *normed = f + 2 * M * nb;
+    int8_t *q = (int8_t *)(normed + (norm ? K : 0));
+    for (int64_t i = 0; i < M; i++) {
+        rows[i] = (xrow_t){q + i * K, with_u ? (uint8_t *)(q + M * K + i * K) : NULL, f + 2 * i * nb,
+                           f + (2 * i + 1) * nb};
+        if (norm) rms_norm_row(x + i * K, norm, eps, K, normed);
+        quantize_row(norm ? normed : x + i * K, K, rows[i]);
+    }
+    return rows;
+}
+
+static inline uint16_t f32_to_f16(float v) { /* exact for the float16 values GGUF blocks hold */
+    _Float16 h = (_Float16)v;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+
+#ifdef QMM_AVX512
+/* ================= AVX512-VNNI: 16 output rows a vector ================= */
+
+#define NR 16
+#undef MT
+#define MT 8
+/* Q4_1, per 16 rows and block: 4 x 64 code bytes (lane n, byte j of vector v: low nibble k = 8v + j,
+   high nibble k = 8v + 4 + j), 16 float16 d, 16 float16 mn. */
+#define Q4_STRIDE (4 * 64 + 2 * 32)
+/* Q8_0, per 16 rows and block: 8 x 64 code bytes (lane n, byte j of vector g: k = 4g + j), 16
+   float16 d, 16 int32 -128 * sum of the row's 32 codes (undoes x + 128). */
+#define Q8_STRIDE (8 * 64 + 32 + 64)
+
+int64_t qmm_q4_1_packed_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * (K / QK) * Q4_STRIDE; }
+int64_t qmm_q8_0_packed_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * (K / QK) * Q8_STRIDE; }
+
+void qmm_pack_q4_1(const uint8_t *codes, const float *d, const float *mn, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t nb = K / QK;
+    memset(out, 0, (size_t)qmm_q4_1_packed_size(N, K));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t blk = n / NR, lane = n % NR;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = out + (blk * nb + b) * Q4_STRIDE;
+            const uint8_t *c = codes + n * K + b * QK;
+            _Pragma("GCC unroll 8")
+            for (int v = 0; v < 4; v++)
+                for (int j = 0; j < 4; j++)
+                    p[v * 64 + lane * 4 + j] = (uint8_t)(c[8 * v + j] | (c[8 * v + 4 + j] << 4));
+            uint16_t hd = f32_to_f16(d[n * nb + b]), hm = f32_to_f16(mn[n * nb + b]);
+            memcpy(p + 256 + lane * 2, &hd, 2);
+            memcpy(p + 288 + lane * 2, &hm, 2);
+        }
+    }
+}
+
+void qmm_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t nb = K / QK;
+    memset(out, 0, (size_t)qmm_q8_0_packed_size(N, K));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t blk = n / NR, lane = n % NR;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = out + (blk * nb + b) * Q8_STRIDE;
+            const int8_t *c = codes + n * K + b * QK;
+            int32_t sum = 0;
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < 8; g++)
+                for (int j = 0; j < 4; j++) {
+                    p[g * 64 + lane * 4 + j] = (uint8_t)c[4 * g + j];
+                    sum += c[4 * g + j];
+                }
+            uint16_t hd = f32_to_f16(d[n * nb + b]);
+            int32_t corr = -128 * sum;
+            memcpy(p + 512 + lane * 2, &hd, 2);
+            memcpy(p + 544 + lane * 4, &corr, 4);
+        }
+    }
+}
+
+static inline __m512i bcast4(const void *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+static inline __attribute__((always_inline)) void q4_1_tile(
+        int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, __mmask16 store) {
+    __m512 acc[MT];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++, w += Q4_STRIDE) {
+        __m512i dot[MT], dot2[MT]; /* two chains of integer sums a row, added after (exact) */
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < mt; i++) dot[i] = dot2[i] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8")
+        for (int v = 0; v < 4; v++) {
+            const __m512i raw = _mm512_loadu_si512(w + v * 64);
+            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < mt; i++) {
+                const int8_t *xq = x[i].q + b * QK + 8 * v;
+                dot[i] = _mm512_dpbusd_epi32(dot[i], lo, bcast4(xq));
+                dot2[i] = _mm512_dpbusd_epi32(dot2[i], hi, bcast4(xq + 4));
+            }
+        }
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < mt; i++) dot[i] = _mm512_add_epi32(dot[i], dot2[i]);
+        const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 256)));
+        const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 288)));
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < mt; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(x[i].d[b])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[i].s[b]), acc[i]);
+        }
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + i * ldy, store, acc[i]);
+}
+
+static inline __attribute__((always_inline)) void q8_0_tile(
+        int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, __mmask16 store) {
+    __m512 acc[MT];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += Q8_STRIDE) {
+        const __m512i corr = _mm512_loadu_si512(w + 544);
+        __m512i dot[MT], dot2[MT]; /* two chains of integer sums a row, added after (exact) */
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < mt; i++) { dot[i] = corr; dot2[i] = _mm512_setzero_si512(); }
+        _Pragma("GCC unroll 8")
+        for (int g = 0; g < 8; g += 2) {
+            const __m512i w0 = _mm512_loadu_si512(w + g * 64), w1 = _mm512_loadu_si512(w + g * 64 + 64);
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < mt; i++) {
+                dot[i] = _mm512_dpbusd_epi32(dot[i], bcast4(x[i].u + b * QK + 4 * g), w0);
+                dot2[i] = _mm512_dpbusd_epi32(dot2[i], bcast4(x[i].u + b * QK + 4 * g + 4), w1);
+            }
+        }
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < mt; i++) dot[i] = _mm512_add_epi32(dot[i], dot2[i]);
+        const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 512)));
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < mt; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(x[i].d[b])), acc[i]);
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + i * ldy, store, acc[i]);
+}
+
+#define TILES(CALL)                                                                  \
+    for (int64_t blk = 0; blk * NR < N; blk++) {                                     \
+        const __mmask16 store = N - blk * NR >= NR ? 0xFFFF : (__mmask16)((1u << (N - blk * NR)) - 1); \
+        int64_t m = 0;                                                               \
+        for (; m + MT <= M; m += MT) CALL(MT);                                       \
+        switch (M - m) {                                                             \
+        case 7: CALL(7); break;                                                      \
+        case 6: CALL(6); break;                                                      \
+        case 5: CALL(5); break;                                                      \
+        case 4: CALL(4); break;                                                      \
+        case 3: CALL(3); break;                                                      \
+        case 2: CALL(2); break;                                                      \
+        case 1: CALL(1); break;                                                      \
+        default: break;                                                              \
+        }                                                                            \
+    }
+
+int qmm_linear_q4_1(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
+    const int64_t nb = K / QK;
+    xrow_t *rows = quantize(x, norm, eps, M, K, 0);
+    if (!rows) return -1;
+#define Q4CALL(T) q4_1_tile(T, nb, packed + blk * nb * Q4_STRIDE, rows + m, y + m * N + blk * NR, N, store)
+    TILES(Q4CALL)
+    free(rows);
+    return 0;
+}
+
+int qmm_linear_q8_0(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
+    const int64_t nb = K / QK;
+    xrow_t *rows = quantize(x, norm, eps, M, K, 1);
+    if (!rows) return -1;
+#define Q8CALL(T) q8_0_tile(T, nb, packed + blk * nb * Q8_STRIDE, rows + m, y + m * N + blk * NR, N, store)
+    TILES(Q8CALL)
+    free(rows);
+    return 0;
+}
+
+const char *qmm_path(void) { return "avx512-vnni"; }
+
+#else
+/* ================= AVX2 or plain C: row by row, one block's dot in 8 lanes ================= */
+
+/* Q4_1 per row: nb x 16 code bytes (byte j: code j low nibble, code j + 16 high), nb float d, nb float mn. */
+#define Q4_ROW(K) ((K) / QK * (16 + 8))
+#define Q8_ROW(K) ((K) + (K) / QK * 4)
+
+int64_t qmm_q4_1_packed_size(int64_t N, int64_t K) { return N * Q4_ROW(K); }
+int64_t qmm_q8_0_packed_size(int64_t N, int64_t K) { return N * Q8_ROW(K); }
+
+void qmm_pack_q4_1(const uint8_t *codes, const float *d, const float *mn, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t nb = K / QK;
+    for (int64_t n = 0; n < N; n++) {
+        uint8_t *p = out + n * Q4_ROW(K);
+        for (int64_t b = 0; b < nb; b++)
+            for (int j = 0; j < 16; j++)
+                p[b * 16 + j] = (uint8_t)(codes[n * K + b * QK + j] | (codes[n * K + b * QK + 16 + j] << 4));
+        memcpy(p + nb * 16, d + n * nb, sizeof(float) * nb);
+        memcpy(p + nb * 20, mn + n * nb, sizeof(float) * nb);
+    }
+}
+
+void qmm_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K, uint8_t *out) {
+    for (int64_t n = 0; n < N; n++) {
+        memcpy(out + n * Q8_ROW(K), codes + n * K, (size_t)K);
+        memcpy(out + n * Q8_ROW(K) + K, d + n * (K / QK), sizeof(float) * (K / QK));
+    }
+}
+
+#ifdef __AVX2__
+typedef __m256 acc_t;
+static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
+static inline float acc_sum(acc_t a) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* l0+l4 .. l3+l7 */
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+/* 32 unsigned times 32 signed bytes in groups of 4: 8 int32 lanes. The pairs fit in int16:
+   unsigned <= 15 (Q4_1 codes) or <= 127 (Q8_0 through the sign trick). */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+static inline acc_t acc_fma(acc_t a, __m256i dot, float scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), a);
+}
+#else
+typedef struct { float v[8]; } acc_t;
+static inline acc_t acc_zero(void) { acc_t a; memset(&a, 0, sizeof a); return a; }
+static inline float acc_sum(acc_t a) {
+    float v0 = a.v[0] + a.v[4], v1 = a.v[1] + a.v[5], v2 = a.v[2] + a.v[6], v3 = a.v[3] + a.v[7];
+    return (v0 + v2) + (v1 + v3);
+}
+#endif
+
+static inline __attribute__((always_inline)) void q4_1_tile(
+        int mt, int64_t K, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy) {
+    const int64_t nb = K / QK;
+    const float *wd = (const float *)(w + nb * 16), *wm = (const float *)(w + nb * 20);
+    acc_t acc[MT];
+    float mins[MT];
+    for (int i = 0; i < mt; i++) { acc[i] = acc_zero(); mins[i] = 0.0f; }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *qs = w + b * 16;
+#ifdef __AVX2__
+        const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+        const __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+#endif
+        for (int i = 0; i < mt; i++) {
+            const int8_t *xb = x[i].q + b * QK;
+            const float scale = wd[b] * x[i].d[b];
+#ifdef __AVX2__
+            acc[i] = acc_fma(acc[i], dot_u8s8(wv, _mm256_loadu_si256((const __m256i *)xb)), scale);
+#else
+            for (int l = 0; l < 8; l++) {
+                int dot = 0;
+                for (int j = 4 * l; j < 4 * l + 4; j++) dot += (j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4) * xb[j];
+                acc[i].v[l] = fmaf((float)dot, scale, acc[i].v[l]);
+            }
+#endif
+            mins[i] = fmaf(wm[b], x[i].s[b], mins[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) y[i * ldy] = acc_sum(acc[i]) + mins[i];
+}
+
+static inline __attribute__((always_inline)) void q8_0_tile(
+        int mt, int64_t K, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy) {
+    const int64_t nb = K / QK;
+    const int8_t *wq = (const int8_t *)w;
+    const float *wd = (const float *)(w + K);
+    acc_t acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = acc_zero();
+    for (int64_t b = 0; b < nb; b++) {
+#ifdef __AVX2__
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
+        const __m256i wabs = _mm256_sign_epi8(wv, wv); /* |w| as unsigned; its sign moves to x */
+#endif
+        for (int i = 0; i < mt; i++) {
+            const int8_t *xb = x[i].q + b * QK;
+            const float scale = wd[b] * x[i].d[b];
+#ifdef __AVX2__
+            const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb), wv);
+            acc[i] = acc_fma(acc[i], dot_u8s8(wabs, xs), scale);
+#else
+            for (int l = 0; l < 8; l++) {
+                int dot = 0;
+                for (int j = 4 * l; j < 4 * l + 4; j++) dot += wq[b * QK + j] * xb[j];
+                acc[i].v[l] = fmaf((float)dot, scale, acc[i].v[l]);
+            }
+#endif
+        }
+    }
+    for (int i = 0; i < mt; i++) y[i * ldy] = acc_sum(acc[i]);
+}
+
+#define ROWS(CALL, ROWBYTES)                                                         \
+    for (int64_t n = 0; n < N; n++) {                                                \
+        const uint8_t *w = packed + n * (ROWBYTES);                                  \
+        int64_t m = 0;                                                               \
+        for (; m + MT <= M; m += MT) CALL(MT);                                       \
+        for (; m < M; m++) CALL(1);                                                  \
+    }
+
+int qmm_linear_q4_1(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
+    xrow_t *rows = quantize(x, norm, eps, M, K, 0);
+    if (!rows) return -1;
+#define Q4CALL(T) q4_1_tile(T, K, w, rows + m, y + m * N + n, N)
+    ROWS(Q4CALL, Q4_ROW(K))
+    free(rows);
+    return 0;
+}
+
+int qmm_linear_q8_0(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
+    xrow_t *rows = quantize(x, norm, eps, M, K, 0);
+    if (!rows) return -1;
+#define Q8CALL(T) q8_0_tile(T, K, w, rows + m, y + m * N + n, N)
+    ROWS(Q8CALL, Q8_ROW(K))
+    free(rows);
+    return 0;
+}
+
+#ifdef __AVX2__
+const char *qmm_path(void) { return "avx2"; }
+#else
+const char *qmm_path(void) { return "c"; }
+#endif
+#endif
+
+/* ---- attention of one layer: RoPE, the cache write and causal attention, row by row ---- */
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline float sum16(v16 v) { /* a fixed tree: halves added, then halves of that */
+    float h8[8], h4[4], h2[2];
+    for (int j = 0; j < 8; j++) h8[j] = v[j] + v[j + 8];
+    for (int j = 0; j < 4; j++) h4[j] = h8[j] + h8[j + 4];
+    for (int j = 0; j < 2; j++) h2[j] = h4[j] + h4[j + 2];
+    return h2[0] + h2[1];
+}
+
+/* x * cos + rotate_half(x) * sin over one head of D values (the halves layout). */
+static void rope_head(const float *x, const float *c, const float *s, int64_t D, float *out) {
+    const int64_t half = D / 2;
+    for (int64_t j = 0; j < D; j++) {
+        const float rot = j < half ? -x[j + half] : x[j - half];
+        out[j] = x[j] * c[j] + rot * s[j];
+    }
+}
+
+/* qkv [R, (H + 2 KV) * D] for R = B * Q rows (sequence b's Q positions pos[b * Q + i], in slot
+   slot0 + b of the caches kc, vc [slots, KV, length, D]) -> out [R, H * D]. Keys and values of
+   every row are written first; then each query row attends to keys 0 .. its position, in order,
+   so a row's result does not depend on the rows beside it. */
+int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, int64_t H, int64_t KV, int64_t D,
+                  const float *cos, const float *sin, float *kc, float *vc, int64_t slot0, int64_t length,
+                  float *out) {
+    const int64_t R = B * Q, W = (H + 2 * KV) * D, G = H / KV;
+    const float scale = 1.0f / sqrtf((float)D);
+    int64_t maxpos = 0;
+    for (int64_t r = 0; r < R; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+    float *qr = malloc(sizeof(float) * (size_t)(R * H * D + maxpos + 1 + D));
+    if (!qr) return -1;
+    float *scores = qr + R * H * D, *tmp = scores + maxpos + 1;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t p = pos[r], slot = slot0 + r / Q;
+        const float *row = qkv + r * W, *c = cos + p * D, *s = sin + p * D;
+        for (int64_t h = 0; h < H; h++) {
+            rope_head(row + h * D, c, s, D, tmp);
+            for (int64_t j = 0; j < D; j++) qr[(r * H + h) * D + j] = tmp[j] * scale;
+        }
+        for (int64_t g = 0; g < KV; g++) {
+            const int64_t at = ((slot * KV + g) * length + p) * D;
+            rope_head(row + (H + g) * D, c, s, D, kc + at);
+            memcpy(vc + at, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
+        }
+    }
+    const int vec = D % 16 == 0;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t p = pos[r], slot = slot0 + r / Q;
+        for (int64_t h = 0; h < H; h++) {
+            const float *qh = qr + (r * H + h) * D;
+            const float *kh = kc + (slot * KV + h / G) * length * D, *vh = vc + (slot * KV + h / G) * length * D;
+            float mx = -INFINITY;
+            for (int64_t l = 0; l <= p; l++) {
+                float dot;
+                if (vec) {
+                    v16 acc = {0};
+                    for (int64_t j = 0; j < D; j += 16) acc = acc + load16(qh + j) * load16(kh + l * D + j);
+                    dot = sum16(acc);
+                } else {
+                    dot = 0.0f;
+                    for (int64_t j = 0; j < D; j++) dot += qh[j] * kh[l * D + j];
+                }
+                scores[l] = dot;
+                mx = dot > mx ? dot : mx;
+            }
+            float total = 0.0f;
+            for (int64_t l = 0; l <= p; l++) {
+                scores[l] = expf(scores[l] - mx);
+                total += scores[l];
+            }
+            float *o = out + (r * H + h) * D;
+            memset(o, 0, sizeof(float) * (size_t)D);
+            for (int64_t l = 0; l <= p; l++) {
+                const float e = scores[l];
+                if (vec) {
+                    for (int64_t j = 0; j < D; j += 16) store16(o + j, load16(o + j) + e * load16(vh + l * D + j));
+                } else {
+                    for (int64_t j = 0; j < D; j++) o[j] += e * vh[l * D + j];
+                }
+            }
+            const float inv = 1.0f / total;
+            for (int64_t j = 0; j < D; j++) o[j] *= inv;
+        }
+    }
+    free(qr);
+    return 0;
+}
