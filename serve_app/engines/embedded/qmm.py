@@ -62,22 +62,26 @@ def library_path() -> Path:
     return cache_dir() / "kernels" / f"qmm-{key}.so"
 
 
-def _compile(out: Path) -> None:
+def compile_library(out: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile qmm.c into ``out`` (``extra_flags``: e.g. ``-DQMM_NO_AVX512 -mno-avx512f`` for
+    the AVX2 path, as tests do); written whole or not at all."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    if cc is None or shutil.which(cc) is None:
         raise RuntimeError("the gguf weight format compiles its kernels with a C compiler, and none was found "
                            "(install gcc, or choose weights: q4_1)")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        run = subprocess.run([cc, *_FLAGS, *extra_flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                             text=True)
         if run.returncode:
             raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{run.stderr[-2000:]}")
         os.replace(tmp, out)  # atomic: replicas starting together each see a whole file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return out
 
 
 def library() -> ctypes.CDLL:
@@ -88,12 +92,14 @@ def library() -> ctypes.CDLL:
             path = library_path()
             if not path.exists():
                 log.info("compiling %s into %s (once)", _SOURCE.name, path)
-                _compile(path)
-            _lib = _bind(ctypes.CDLL(str(path)))
+                compile_library(path)
+            _lib = load(path)
         return _lib
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+def load(path: Path) -> ctypes.CDLL:
+    """A compiled qmm library, its functions typed."""
+    lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in ("qmm_q4_1_packed_size", "qmm_q8_0_packed_size"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [i64, i64], i64
