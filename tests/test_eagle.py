@@ -30,10 +30,11 @@ def tiny_head(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_head):
+@pytest.fixture(scope="module", params=["float32", "gguf"])
+def tiny(tiny_head, request):
+    # gguf: the head's products in Q8_0 as well (its drafts change, the output must not)
     return sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
-                       drafter="eagle", draft_head=str(tiny_head))
+                       drafter="eagle", draft_head=str(tiny_head), weights=request.param)
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])
@@ -75,8 +76,9 @@ def test_shipped_head_matches_its_manifest_and_records_how_it_was_made():
 
 
 @pytest.mark.real_model
-def test_real_model_with_the_shipped_head_is_lossless_and_accepts_drafts():
-    engine = sync_engine(max_num_seqs=8, max_model_len=1024, drafter="eagle")
+@pytest.mark.parametrize("weights", ["float32", "gguf"])
+def test_real_model_with_the_shipped_head_is_lossless_and_accepts_drafts(weights):
+    engine = sync_engine(max_num_seqs=8, max_model_len=1024, drafter="eagle", weights=weights)
     prompts = [engine.apply_chat_template(chat_messages(p)) for p in PROMPT_SETS["chat"][:6]]
     reference = run_greedy(engine, prompts, lambda s: 0, max_tokens=24, together=True)
     assert run_greedy(engine, prompts, random_schedule(3), max_tokens=24, together=True) == reference

@@ -241,4 +241,5 @@ def make_eagle_drafter(model, head_path: str | Path | None, model_name: str, max
     if (c.hidden_size, c.target_vocab_size) != (s.hidden_size, s.vocab_size) or max(c.feature_layers) >= s.num_layers:
         raise ValueError(f"draft head {path} does not fit the model (hidden {c.hidden_size}, vocab "
                          f"{c.target_vocab_size}, layers {c.feature_layers})")
-    return EagleDrafter(pack_linears(head), model.embed, max_num_seqs, capacity)
+    return EagleDrafter(pack_linears(head, "gguf" if model.weights == "gguf" else "float32"), model.embed,
+                        max_num_seqs, capacity)

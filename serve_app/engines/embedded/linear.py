@@ -181,17 +181,24 @@ def make_linear(weights: str, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 class _LinearModule(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weights: str):
         super().__init__()
-        self.linear = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+        if weights == "gguf":  # a draft head has no shipped blocks: Q8_0 made from its weights
+            from .qmm import Q8_0Linear, quantize_q8_0
+            self.linear = Q8_0Linear(*quantize_q8_0(weight), bias)
+        else:
+            self.linear = Linear(weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
 
 
-def pack_linears(module: nn.Module) -> nn.Module:
-    """Swap ``module``'s direct ``nn.Linear`` children for reordered ones (inference only)."""
+def pack_linears(module: nn.Module, weights: str = "float32") -> nn.Module:
+    """Swap ``module``'s direct ``nn.Linear`` children for reordered ones (inference only); with
+    ``weights`` "gguf", for Q8_0 products made from their weights (a draft head's: the target's
+    output does not depend on its drafts)."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, _LinearModule(child))
+            setattr(module, name, _LinearModule(child, weights))
     return module
