@@ -32,6 +32,7 @@ def test_local_config_binds_localhost_with_two_embedded_replicas():
     args = AppArgs.model_validate(raw["applications"][0]["args"])
     assert (args.engine.backend, args.num_replicas) == ("embedded", 2)
     assert args.engine.embedded.model == "smollm2-135m-instruct" and args.engine.embedded.drafter == "eagle"
+    assert args.engine.embedded.weights == "gguf"
 
 
 def test_prod_config_reserves_eight_gpus_per_replica():

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import engine, faults, memory, ops, report, serve, steps, trace
+from . import agreement, engine, faults, memory, ops, report, serve, steps, trace
 
 COMMANDS = {"engine": engine, "steps": steps, "serve": serve, "trace": trace, "report": report, "faults": faults,
-            "memory": memory, "ops": ops}
+            "memory": memory, "ops": ops, "agreement": agreement}
 
 
 def main(argv: list[str] | None = None) -> int:
