@@ -1,12 +1,12 @@
-"""The ``gguf`` weight format's products: Q4_1 and Q8_0 weights as a GGUF ships them, times
-activations quantized to int8 per block of 32, in ``qmm.c``.
+"""The ``gguf`` weight format's kernels (``qmm.c``): Q4_1 and Q8_0 weights as a GGUF ships
+them, times activations quantized to int8 per block of 32, and a layer's attention.
 
 That is llama.cpp's arithmetic (Q4_1 x Q8_1, Q8_0 x Q8_0): each block's dot product is an exact
-integer sum (AVX512-VNNI, else AVX2), so a product reads 4.6 (Q4_1) or 8.5 (Q8_0) bits a weight
-and does little float work. PyTorch's int4 kernel (the ``q4_1`` format) keeps bfloat16
-activations and converts every weight to float. ggml itself (through ggml-python) multiplies
-one row of activations at a time, so a verify of 4 positions cost it 3.7x a single one, where
-speculation needs it near 1x: ``qmm.c`` shares each weight block between 4 rows.
+integer sum (AVX512-VNNI, else AVX2), so a product reads 5 (Q4_1) or 9.5 (Q8_0, with its
+correction term) bits a weight and does little float work. PyTorch's int4 kernel (the ``q4_1``
+format) keeps bfloat16 activations and converts every weight to float. ggml itself (through
+ggml-python) multiplies one row of activations at a time, so 4 rows cost it 3.7x one row,
+where a verify of 4 positions needs near 1x: ``qmm.c`` shares each weight load between rows.
 
 The C file is compiled on first use with the machine's compiler and ``-march=native`` into
 the cache (``SPECSERVE_CACHE``, default ~/.cache/specserve), keyed by the source and the CPU,
