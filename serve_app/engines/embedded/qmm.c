@@ -424,15 +424,45 @@ const char *qmm_path(void) { return "c"; }
 /* ---- attention of one layer: RoPE, the cache write and causal attention, row by row ---- */
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i16v __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 static inline float sum16(v16 v) { /* a fixed tree: halves added, then halves of that */
-    float h8[8], h4[4], h2[2];
-    for (int j = 0; j < 8; j++) h8[j] = v[j] + v[j + 8];
-    for (int j = 0; j < 4; j++) h4[j] = h8[j] + h8[j + 4];
-    for (int j = 0; j < 2; j++) h2[j] = h4[j] + h4[j + 2];
-    return h2[0] + h2[1];
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline v16 max16(v16 a, v16 b) {
+    v16 r;
+    for (int j = 0; j < 16; j++) r[j] = a[j] > b[j] ? a[j] : b[j];
+    return r;
+}
+
+/* e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r, |r| <= ln2 / 2,
+   e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n; 0 below -87. */
+static inline v16 exp16(v16 x) {
+    v16 n, out;
+    for (int j = 0; j < 16; j++) {
+        x[j] = x[j] < -87.0f ? -87.0f : x[j];
+        n[j] = nearbyintf(x[j] * 1.44269504f);
+    }
+    const v16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    v16 p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    i16v bits;
+    memcpy(&bits, &p, sizeof bits);
+    for (int j = 0; j < 16; j++) bits[j] += (int32_t)n[j] << 23;
+    memcpy(&out, &bits, sizeof out);
+    for (int j = 0; j < 16; j++) out[j] = x[j] <= -87.0f ? 0.0f : out[j];
+    return out;
 }
 
 /* x * cos + rotate_half(x) * sin over one head of D values (the halves layout). */
@@ -455,9 +485,9 @@ int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, in
     const float scale = 1.0f / sqrtf((float)D);
     int64_t maxpos = 0;
     for (int64_t r = 0; r < R; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
-    float *qr = malloc(sizeof(float) * (size_t)(R * H * D + maxpos + 1 + D));
+    float *qr = malloc(sizeof(float) * (size_t)(R * H * D + maxpos + 17 + D));
     if (!qr) return -1;
-    float *scores = qr + R * H * D, *tmp = scores + maxpos + 1;
+    float *scores = qr + R * H * D, *tmp = scores + maxpos + 17;
     for (int64_t r = 0; r < R; r++) {
         const int64_t p = pos[r], slot = slot0 + r / Q;
         const float *row = qkv + r * W, *c = cos + p * D, *s = sin + p * D;
@@ -473,32 +503,62 @@ int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, in
     }
     const int vec = D % 16 == 0;
     for (int64_t r = 0; r < R; r++) {
-        const int64_t p = pos[r], slot = slot0 + r / Q;
+        const int64_t p = pos[r], slot = slot0 + r / Q, nk = p + 1;
         for (int64_t h = 0; h < H; h++) {
             const float *qh = qr + (r * H + h) * D;
             const float *kh = kc + (slot * KV + h / G) * length * D, *vh = vc + (slot * KV + h / G) * length * D;
-            float mx = -INFINITY;
-            for (int64_t l = 0; l <= p; l++) {
+            if (D == 64) { /* SmolLM2's head size: the query and the output in registers */
+                const v16 q0 = load16(qh), q1 = load16(qh + 16), q2 = load16(qh + 32), q3 = load16(qh + 48);
+                for (int64_t l = 0; l < nk; l++) {
+                    const float *k = kh + l * 64;
+                    scores[l] = sum16(((q0 * load16(k) + q1 * load16(k + 16)) + q2 * load16(k + 32)) + q3 * load16(k + 48));
+                }
+            }
+            for (int64_t l = 0; l < nk && D != 64; l++) {
                 float dot;
                 if (vec) {
-                    v16 acc = {0};
-                    for (int64_t j = 0; j < D; j += 16) acc = acc + load16(qh + j) * load16(kh + l * D + j);
+                    v16 acc = load16(qh) * load16(kh + l * D);
+                    for (int64_t j = 16; j < D; j += 16) acc = acc + load16(qh + j) * load16(kh + l * D + j);
                     dot = sum16(acc);
                 } else {
                     dot = 0.0f;
                     for (int64_t j = 0; j < D; j++) dot += qh[j] * kh[l * D + j];
                 }
                 scores[l] = dot;
-                mx = dot > mx ? dot : mx;
             }
-            float total = 0.0f;
-            for (int64_t l = 0; l <= p; l++) {
-                scores[l] = expf(scores[l] - mx);
-                total += scores[l];
+            /* softmax over the keys in chunks of 16 from key 0; past the last key: e = 0 */
+            const int64_t padded = (nk + 15) / 16 * 16;
+            for (int64_t l = nk; l < padded; l++) scores[l] = -INFINITY;
+            v16 mv = load16(scores);
+            for (int64_t l = 16; l < padded; l += 16) mv = max16(mv, load16(scores + l));
+            float mx = mv[0];
+            for (int j = 1; j < 16; j++) mx = mv[j] > mx ? mv[j] : mx;
+            v16 tv = (v16){0};
+            for (int64_t l = 0; l < padded; l += 16) {
+                const v16 e = exp16(load16(scores + l) - mx);
+                store16(scores + l, e);
+                tv = tv + e;
             }
+            const float total = sum16(tv);
             float *o = out + (r * H + h) * D;
+            const float inv = 1.0f / total;
+            if (D == 64) {
+                v16 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+                for (int64_t l = 0; l < nk; l++) {
+                    const float e = scores[l], *v = vh + l * 64;
+                    o0 = o0 + e * load16(v);
+                    o1 = o1 + e * load16(v + 16);
+                    o2 = o2 + e * load16(v + 32);
+                    o3 = o3 + e * load16(v + 48);
+                }
+                store16(o, o0 * inv);
+                store16(o + 16, o1 * inv);
+                store16(o + 32, o2 * inv);
+                store16(o + 48, o3 * inv);
+                continue;
+            }
             memset(o, 0, sizeof(float) * (size_t)D);
-            for (int64_t l = 0; l <= p; l++) {
+            for (int64_t l = 0; l < nk; l++) {
                 const float e = scores[l];
                 if (vec) {
                     for (int64_t j = 0; j < D; j += 16) store16(o + j, load16(o + j) + e * load16(vh + l * D + j));
@@ -506,7 +566,6 @@ int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, in
                     for (int64_t j = 0; j < D; j++) o[j] += e * vh[l * D + j];
                 }
             }
-            const float inv = 1.0f / total;
             for (int64_t j = 0; j < D; j++) o[j] *= inv;
         }
     }
