@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
 
 from serve_app.engines.base import GenerateRequest, SamplingParams
@@ -134,6 +135,7 @@ def measure(args, formats: list[str]) -> dict:
         "model": args.model, "torch": torch.__version__, "num_threads": args.num_threads,
         "prompt_set": args.prompt_set, "num_prompts": n, "batch": args.batch, "max_tokens": args.max_tokens,
         "reference": ref, "formats": compared,
+        "command": " ".join(["python -m serve_app.tools.bench", *sys.argv[1:]]),
     }
 
 
