@@ -132,7 +132,6 @@ void qmm_pack_q4_1(const uint8_t *codes, const float *d, const float *mn, int64_
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *p = out + (blk * nb + b) * Q4_STRIDE;
             const uint8_t *c = codes + n * K + b * QK;
-            _Pragma("GCC unroll 8")
             for (int v = 0; v < 4; v++)
                 for (int j = 0; j < 4; j++)
                     p[v * 64 + lane * 4 + j] = (uint8_t)(c[8 * v + j] | (c[8 * v + 4 + j] << 4));
@@ -152,7 +151,6 @@ void qmm_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K, ui
             uint8_t *p = out + (blk * nb + b) * Q8_STRIDE;
             const int8_t *c = codes + n * K + b * QK;
             int32_t sum = 0;
-            _Pragma("GCC unroll 8")
             for (int g = 0; g < 8; g++)
                 for (int j = 0; j < 4; j++) {
                     p[g * 64 + lane * 4 + j] = (uint8_t)c[4 * g + j];
