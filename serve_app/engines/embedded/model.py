@@ -96,10 +96,7 @@ class Llama:
         pos = lens[:, None] + torch.arange(q, device=tokens.device)  # [B, q]
         L = padded_length(int(lens.max()) + q)
         cache.reserve(slot0 + B, L)
-        visible = torch.arange(L, device=tokens.device)[None, None, :] <= pos[:, :, None]  # [B, q, L]
-        cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, q, 1, D]
-        rows = torch.arange(slot0, slot0 + B, device=tokens.device)[:, None].expand(B, q)
-        nq, nkv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
+        attention = self._fused_attention if self.fused_attention else self._attention(pos, L, slot0)
 
         x = F.embedding(tokens, self.embed)
         tapped = []
@@ -107,27 +104,38 @@ class Llama:
             if taps and i in taps:
                 tapped.append(x)
             qkv = w["qkv"].normed(x, w["ln1"], s.rms_norm_eps)
-            if self.fused_attention:
-                k_cache, v_cache = cache.layer(i)
-                attn = qmm.attention(qkv, pos, s.num_heads, s.num_kv_heads, self.cos, self.sin, k_cache, v_cache, slot0)
-                x = x + w["o"](attn)
-                gate, up = w["gate_up"].normed(x, w["ln2"], s.rms_norm_eps).chunk(2, dim=-1)
-                x = x + w["down"](F.silu(gate) * up)
-                continue
-            xq = qkv[..., :nq].view(B, q, s.num_heads, d)
-            xk = qkv[..., nq:nq + nkv].view(B, q, s.num_kv_heads, d)
-            xv = qkv[..., nq + nkv:].view(B, q, s.num_kv_heads, d)
-            xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
-            k_cache, v_cache = cache.layer(i)  # [rows, KV, length, D]
-            k_cache[rows, :, pos] = xk
-            v_cache[rows, :, pos] = xv
-            attn = attend(xq, k_cache[slot0:slot0 + B, :, :L], v_cache[slot0:slot0 + B, :, :L], visible)
-            x = x + w["o"](attn)
+            x = x + w["o"](attention(qkv, pos, *cache.layer(i), slot0))
             gate, up = w["gate_up"].normed(x, w["ln2"], s.rms_norm_eps).chunk(2, dim=-1)
             x = x + w["down"](F.silu(gate) * up)
         hidden = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
         picked = hidden if logit_index is None else hidden[torch.arange(B)[:, None], logit_index]
         return self.lm_head_linear(picked).float(), torch.cat(tapped, dim=-1) if taps else hidden
+
+    def _fused_attention(self, qkv, pos, k_cache, v_cache, slot0):
+        """One layer's attention in qmm.c (the gguf format): RoPE, the cache write, attention."""
+        s = self.shape
+        return qmm.attention(qkv, pos, s.num_heads, s.num_kv_heads, self.cos, self.sin, k_cache, v_cache, slot0)
+
+    def _attention(self, pos: torch.Tensor, L: int, slot0: int):
+        """One layer's attention in PyTorch for this forward's positions: RoPE, the cache write
+        at ``pos``, and ``attention.py``'s row-invariant attention over L keys."""
+        s = self.shape
+        B, q = pos.shape
+        visible = torch.arange(L, device=pos.device)[None, None, :] <= pos[:, :, None]  # [B, q, L]
+        cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, q, 1, D]
+        rows = torch.arange(slot0, slot0 + B, device=pos.device)[:, None].expand(B, q)
+        nq, nkv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
+
+        def attention(qkv, pos, k_cache, v_cache, slot0):
+            xq = qkv[..., :nq].view(B, q, s.num_heads, d)
+            xk = qkv[..., nq:nq + nkv].view(B, q, s.num_kv_heads, d)
+            xv = qkv[..., nq + nkv:].view(B, q, s.num_kv_heads, d)
+            xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
+            k_cache[rows, :, pos] = xk
+            v_cache[rows, :, pos] = xv
+            return attend(xq, k_cache[slot0:slot0 + B, :, :L], v_cache[slot0:slot0 + B, :, :L], visible)
+
+        return attention
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
