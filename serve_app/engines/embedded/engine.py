@@ -25,7 +25,7 @@ from .drafters import make_drafter
 from .kv_cache import KVCache, release_free_heap
 from .logits import LogitsState
 from .model import Llama
-from .quant import gguf_q4_1_blocks, gguf_q8_0_tensors
+from .quant import gguf_q4_1_blocks, gguf_q8_0_tensors, read_gguf
 from .sequence import Sequence, Status
 from .weights import generation_defaults, load_model
 
@@ -46,8 +46,9 @@ def build_core(o: EmbeddedOptions) -> EngineCore:
     dtype = _DTYPES[o.dtype]
     blocks, q8_0 = None, None
     if o.weights in ("q4_1", "gguf") and loaded.gguf is not None:
-        blocks = gguf_q4_1_blocks(loaded.gguf, s.num_heads, s.num_kv_heads)
-        q8_0 = gguf_q8_0_tensors(loaded.gguf) if o.weights == "gguf" else None
+        gguf = read_gguf(loaded.gguf)
+        blocks = gguf_q4_1_blocks(gguf, s.num_heads, s.num_kv_heads)
+        q8_0 = gguf_q8_0_tensors(gguf) if o.weights == "gguf" else None
     model = Llama(s, loaded.state_dict, device, dtype, weights=o.weights, blocks=blocks, q8_0=q8_0)
     cache = KVCache(s.num_layers, o.max_num_seqs, s.num_kv_heads, o.max_model_len + o.max_num_steps + 1,
                     s.head_dim, device, dtype)

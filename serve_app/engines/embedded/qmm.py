@@ -150,15 +150,8 @@ class _QuantLinear:
             norm = norm.float().contiguous()
         m = rows.shape[0]
         y = torch.empty(m, self.n, dtype=torch.float32)
-        args = (rows.data_ptr(), None if norm is None else norm.data_ptr(), eps, m, self.k,
-                self.packed.data_ptr(), self.n, y.data_ptr())
-        if _profiled:
-            with torch.profiler.record_function("qmm"):
-                failed = self._run(*args)
-        else:
-            failed = self._run(*args)
-        if failed:
-            raise MemoryError("qmm: no memory for the quantized activations")
+        _call(self._run, "qmm", rows.data_ptr(), None if norm is None else norm.data_ptr(), eps, m, self.k,
+              self.packed.data_ptr(), self.n, y.data_ptr())
         y = y.view(*x.shape[:-1], self.n).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -183,19 +176,6 @@ class Q8_0Linear(_QuantLinear):
         super().__init__(n, k, bias, "q8_0", codes.to(torch.int8), scale.float())
 
 
-def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks of a float weight as llama.cpp makes them: (codes [N, K] int8, scale
-    [N, K / 32] float32 holding the float16 value llama.cpp stores)."""
-    n, k = weight.shape
-    if k % GROUP:
-        raise ValueError(f"Q8_0 needs in-features divisible by {GROUP}, got {k}")
-    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
-    d = (w.abs().amax(-1) / 127).half().float()
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    codes = (w * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return codes.reshape(n, k).contiguous(), d.contiguous()
-
-
 def attention(qkv: torch.Tensor, pos: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot0: int) -> torch.Tensor:
     """One layer's attention in qmm.c: RoPE on ``qkv`` [B, q, (H + 2 KV) * D]'s queries and
@@ -208,13 +188,19 @@ def attention(qkv: torch.Tensor, pos: torch.Tensor, heads: int, kv_heads: int, c
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32):
         raise ValueError("qmm attention needs contiguous float32 caches")
     out = torch.empty(B, q, heads * d, dtype=torch.float32)
-    args = (qkv.data_ptr(), pos.data_ptr(), B, q, heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), slot0, k_cache.shape[2], out.data_ptr())
-    if _profiled:
-        with torch.profiler.record_function("qmm attention"):
-            failed = library().qmm_attention(*args)
-    else:
-        failed = library().qmm_attention(*args)
-    if failed:
-        raise MemoryError("qmm: no memory for attention")
+    _call(library().qmm_attention, "qmm attention", qkv.data_ptr(), pos.data_ptr(), B, q, heads, kv_heads, d,
+          cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot0, k_cache.shape[2],
+          out.data_ptr())
     return out
+
+
+def _call(kernel, name: str, *args) -> None:
+    """Run a kernel (named ``name`` for torch.profiler under ``profile_calls``); its only
+    failure is the allocation of its scratch memory."""
+    if _profiled:
+        with torch.profiler.record_function(name):
+            failed = kernel(*args)
+    else:
+        failed = kernel(*args)
+    if failed:
+        raise MemoryError(f"{name}: no memory for the kernel's scratch buffers")

@@ -6,8 +6,8 @@ tensors a GGUF ships as Q4_1 without changing a value, under the Hugging Face na
 the rows of q and k projections in Hugging Face's order (llama.cpp permutes them for its
 rotary layout; transformers undoes that on loading, and so do we). ``gguf_q8_0_tensors``
 reads the Q8_0 ones (SmolLM2's embedding, which is also its LM head) the same way. Where a
-format needs blocks that a file did not ship, ``quantize_q4_1`` (and qmm.py's
-``quantize_q8_0``) make them from float32 weights.
+format needs blocks that a file did not ship, ``quantize_q4_1`` and ``quantize_q8_0`` make
+them from float32 weights.
 """
 
 from __future__ import annotations
@@ -63,38 +63,67 @@ def quantize_q4_1(weight: torch.Tensor) -> Q4Blocks:
     return Q4Blocks(codes.reshape(n, k), d, m)
 
 
-def gguf_q8_0_tensors(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The Q8_0 tensors of a Llama GGUF file that are not per-head permuted (SmolLM2's tied
-    embedding and LM head), keyed by Hugging Face weight name: (codes [N, K] int8, scale
-    [N, K / 32] float32, exact copies of the float16 values)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks of a float weight as llama.cpp makes them: (codes [N, K] int8, scale
+    [N, K / 32] float32 holding the float16 value llama.cpp stores)."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"Q8_0 needs in-features divisible by {GROUP}, got {k}")
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    d = (w.abs().amax(-1) / 127).half().float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = (w * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return codes.reshape(n, k).contiguous(), d.contiguous()
+
+
+def read_gguf(path: Path):
+    """The file's ``gguf.GGUFReader`` (parsing SmolLM2's takes seconds: read it once and hand
+    it to both readers below, which also take a path)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
+
+
+def _tensors(source):
+    return (source if hasattr(source, "tensors") else read_gguf(source)).tensors
+
+
+def _f16(two_bytes: np.ndarray) -> np.ndarray:
+    """Float16 values stored as the last axis's 2 bytes, as float32 (exact)."""
+    return two_bytes.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def gguf_q8_0_tensors(source) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The Q8_0 tensors of a Llama GGUF file (a path or ``read_gguf``'s reader) that are not
+    per-head permuted (SmolLM2's tied embedding and LM head), keyed by Hugging Face weight
+    name: (codes [N, K] int8, scale [N, K / 32] float32, exact copies of the float16 values)."""
+    from gguf import GGMLQuantizationType
 
     names = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
     out = {}
-    for t in GGUFReader(str(path)).tensors:
+    for t in _tensors(source):
         if t.tensor_type == GGMLQuantizationType.Q8_0 and t.name in names:
             raw = np.asarray(t.data)
             blocks = raw.reshape(raw.shape[0], -1, 2 + GROUP)
-            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
             codes = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
-            out[names[t.name]] = (torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(d)))
+            out[names[t.name]] = (torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(_f16(blocks[..., 0:2]))))
     return out
 
 
-def gguf_q4_1_blocks(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Q4Blocks]:
-    """The Q4_1 tensors of a Llama GGUF file, keyed by Hugging Face weight name."""
-    from gguf import GGMLQuantizationType, GGUFReader
+def gguf_q4_1_blocks(source, num_heads: int, num_kv_heads: int) -> dict[str, Q4Blocks]:
+    """The Q4_1 tensors of a Llama GGUF file (a path or ``read_gguf``'s reader), keyed by
+    Hugging Face weight name."""
+    from gguf import GGMLQuantizationType
 
     blocks = {}
-    for t in GGUFReader(str(path)).tensors:
+    for t in _tensors(source):
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
         if t.tensor_type != GGMLQuantizationType.Q4_1 or not match or match[2] not in _GGUF_NAMES:
             continue
         raw = np.asarray(t.data)
         n, nb = raw.shape[0], raw.shape[1] // _BLOCK_BYTES
         raw = raw.reshape(n, nb, _BLOCK_BYTES)
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        d, m = _f16(raw[..., 0:2]), _f16(raw[..., 2:4])
         qs = raw[..., 4:]  # byte j: code j in its low nibble, code j + 16 in its high one
         codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, nb * GROUP)
         if match[2] in ("attn_q", "attn_k"):
