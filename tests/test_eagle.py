@@ -57,6 +57,26 @@ def test_eagle_sequences_release_their_head_state_and_slots_are_reused(tiny):
     assert not drafter.slot and len(drafter.free) == 8
 
 
+def test_the_head_s_attention_in_qmm_drafts_what_the_pytorch_attention_drafts(tiny_head):
+    """Under gguf the head's attention runs in qmm.c with the target's RoPE tables; its drafts
+    are those of the PyTorch attention but for float rounding near ties."""
+    drafts = {}
+    for fused in (True, False):
+        engine = sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
+                             drafter="eagle", draft_head=str(tiny_head), weights="gguf")
+        drafter = engine.core.drafter
+        assert drafter.rope_tables is not None
+        if not fused:
+            drafter.rope_tables = None
+        seen = drafts[fused] = []
+        propose = drafter.propose
+        drafter.propose = lambda ids, tokens, k, propose=propose, seen=seen: seen.append(propose(ids, tokens, k)) or seen[-1]
+        run_greedy(engine, TINY_PROMPTS, random_schedule(1), max_tokens=40, together=True)
+    pairs = [(a, b) for x, y in zip(drafts[True], drafts[False], strict=True) for a, b in zip(x, y, strict=True)]
+    same = sum(a == b for a, b in pairs)
+    assert len(pairs) > 100 and same >= 0.95 * len(pairs), f"{same} of {len(pairs)} drafts agree"
+
+
 def test_eagle_head_with_a_wrong_checksum_is_refused(tiny_head, tmp_path):
     bad = tmp_path / "bad.safetensors"
     data = bytearray(tiny_head.read_bytes())

@@ -273,10 +273,12 @@ def _split(qkv: torch.Tensor, heads: int, kv_heads: int):
     return xq, xk, qkv[..., (heads + kv_heads) * d:].reshape(B, q, kv_heads, d)
 
 
-def _reference_attention(qkv, pos, heads, kv_heads, cos, sin, k_cache, v_cache, slot0):
+def _reference_attention(qkv, pos, heads, kv_heads, cos, sin, k_cache, v_cache, slot0, slots=None):
     """Float64: RoPE, the cache write, then each query's causal softmax attention over its
-    sequence's keys 0 .. its position, query head h reading KV head h // (heads / kv_heads)."""
+    sequence's keys 0 .. its position, query head h reading KV head h // (heads / kv_heads);
+    sequence b in slot ``slots[b]``, else ``slot0 + b``."""
     B, q, _ = qkv.shape
+    slot = list(slots) if slots is not None else [slot0 + b for b in range(B)]
     xq, xk, xv = _split(qkv.double(), heads, kv_heads)
     d = xq.shape[-1]
     c, s = cos.double()[pos][:, :, None], sin.double()[pos][:, :, None]
@@ -284,15 +286,15 @@ def _reference_attention(qkv, pos, heads, kv_heads, cos, sin, k_cache, v_cache, 
     kc, vc = k_cache.double().clone(), v_cache.double().clone()
     for b in range(B):
         for i in range(q):
-            kc[slot0 + b, :, pos[b, i]], vc[slot0 + b, :, pos[b, i]] = xk[b, i], xv[b, i]
+            kc[slot[b], :, pos[b, i]], vc[slot[b], :, pos[b, i]] = xk[b, i], xv[b, i]
     out = torch.empty(B, q, heads, d, dtype=torch.float64)
     for b in range(B):
         for i in range(q):
             p = int(pos[b, i])
             for h in range(heads):
                 g = h // (heads // kv_heads)
-                weights = torch.softmax(kc[slot0 + b, g, :p + 1] @ xq[b, i, h] / math.sqrt(d), dim=0)
-                out[b, i, h] = weights @ vc[slot0 + b, g, :p + 1]
+                weights = torch.softmax(kc[slot[b], g, :p + 1] @ xq[b, i, h] / math.sqrt(d), dim=0)
+                out[b, i, h] = weights @ vc[slot[b], g, :p + 1]
     return out.reshape(B, q, heads * d)
 
 
@@ -308,6 +310,27 @@ def test_attention_matches_rope_and_causal_softmax_attention_in_float64(path, he
     out = qmm.attention(qkv, pos, heads, kv_heads, cos, sin, k_cache, v_cache, 1)
     assert out.shape == (3, 4, heads * d) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", ATTENTION_SHAPES)
+def test_attention_takes_each_sequence_s_slot_from_a_list(path, heads, kv_heads, d):
+    """The draft head's caches keep a sequence in a slot of its own, in no order: ``slots``
+    names each sequence's, and the other slots stay as they were."""
+    g = torch.Generator().manual_seed(d + 7)
+    cos, sin = _rope_tables(LENGTH, d)
+    k_cache = torch.randn(5, kv_heads, LENGTH, d, generator=g)
+    v_cache = torch.randn(5, kv_heads, LENGTH, d, generator=g)
+    qkv = torch.randn(3, 2, (heads + 2 * kv_heads) * d, generator=g)
+    pos = torch.tensor([[4, 5], [0, 1], [17, 18]])
+    slots = torch.tensor([4, 0, 2])
+    expected = _reference_attention(qkv, pos, heads, kv_heads, cos, sin, k_cache, v_cache, 0, slots.tolist())
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    out = qmm.attention(qkv, pos, heads, kv_heads, cos, sin, k_cache, v_cache, slots=slots)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    for untouched in (1, 3):
+        assert torch.equal(k_cache[untouched], k_before[untouched]) and torch.equal(v_cache[untouched], v_before[untouched])
+    with pytest.raises(ValueError, match="slots"):
+        qmm.attention(qkv, pos, heads, kv_heads, cos, sin, k_cache, v_cache, slots=slots[:2])
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", ATTENTION_SHAPES)

@@ -82,12 +82,17 @@ class EagleHead(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype).unsqueeze(-2), emb.sin().to(dtype).unsqueeze(-2)
 
+    def qkv_rows(self, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The layer's q, k and v projections, before RoPE, [B, q, (H + 2 KV) * D], from feature
+        ``g`` and token embedding ``e`` [B, q, d]."""
+        eps, d = self.config.rms_norm_eps, self.config.hidden_size
+        h = torch.cat([F.rms_norm(e, (d,), self.norm_embed, eps), F.rms_norm(g, (d,), self.norm_feature, eps)], -1)
+        return self.qkv(h)
+
     def qkv_proj(self, g: torch.Tensor, e: torch.Tensor, cos, sin):
         """q [B,q,H,D], k, v [B,q,KV,D] from feature ``g`` and token embedding ``e`` [B,q,d]."""
         c = self.config
-        eps, d = c.rms_norm_eps, c.hidden_size
-        h = torch.cat([F.rms_norm(e, (d,), self.norm_embed, eps), F.rms_norm(g, (d,), self.norm_feature, eps)], -1)
-        qkv = self.qkv(h)
+        qkv = self.qkv_rows(g, e)
         B, q = g.shape[:2]
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         xq = qkv[..., :nq].view(B, q, c.num_heads, c.head_dim)
@@ -97,9 +102,13 @@ class EagleHead(nn.Module):
 
     def finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output hidden state from its residual input ``g`` and attention [B,H,q,D]."""
-        c = self.config
         B, _, q, _ = attn.shape
-        x = g + self.o(attn.transpose(1, 2).reshape(B, q, -1))
+        return self.finish_rows(g, attn.transpose(1, 2).reshape(B, q, -1))
+
+    def finish_rows(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """``finish`` with the attention as rows, [B, q, H * D]."""
+        c = self.config
+        x = g + self.o(attn)
         gate, up = self.gate_up(F.rms_norm(x, (c.hidden_size,), self.norm_mlp, c.rms_norm_eps)).chunk(2, -1)
         return x + self.down(F.silu(gate) * up)
 
@@ -150,9 +159,14 @@ class EagleDrafter:
 
     needs_hidden = True
 
-    def __init__(self, head: EagleHead, embed: torch.Tensor, max_num_seqs: int, capacity: int):
+    def __init__(self, head: EagleHead, embed: torch.Tensor, max_num_seqs: int, capacity: int,
+                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None):
         c = head.config
         self.head, self.embed = head, embed
+        # With the target's RoPE tables (cos, sin [positions, D], float32), the head's attention
+        # runs in qmm.c, as the gguf target's layers do: RoPE, the cache write and attention in
+        # one call instead of some twenty PyTorch ops a draft step.
+        self.rope_tables = rope_tables
         self.feature_layers = c.feature_layers
         p = next(head.parameters())
         self.scratch = capacity  # one index past the rest: where padding rows write
@@ -217,6 +231,17 @@ class EagleDrafter:
         ``num[b]`` of them; the rest is padding); returns hidden [B, q, d]."""
         B, q = tokens.shape
         pos = lens[:, None] + torch.arange(q, device=lens.device)
+        if self.rope_tables is not None:
+            from . import qmm
+
+            c = self.head.config
+            # Padding rows write past their sequence's verified length, which later steps
+            # overwrite before any query reads it (as in the target's cache); only a row past
+            # the cache's end is held at the scratch index.
+            qkv = self.head.qkv_rows(g, F.embedding(tokens, self.embed))
+            attn = qmm.attention(qkv, pos.clamp(max=self.scratch), c.num_heads, c.num_kv_heads, *self.rope_tables,
+                                 self.k, self.v, slots=slots)
+            return self.head.finish_rows(g, attn)
         cos, sin = self.head.rope(pos, g.dtype)
         xq, xk, xv = self.head.qkv_proj(g, F.embedding(tokens, self.embed), cos, sin)
         rows = slots[:, None].expand(B, q)
@@ -241,5 +266,7 @@ def make_eagle_drafter(model, head_path: str | Path | None, model_name: str, max
     if (c.hidden_size, c.target_vocab_size) != (s.hidden_size, s.vocab_size) or max(c.feature_layers) >= s.num_layers:
         raise ValueError(f"draft head {path} does not fit the model (hidden {c.hidden_size}, vocab "
                          f"{c.target_vocab_size}, layers {c.feature_layers})")
+    rope_tables = ((model.cos, model.sin) if model.fused_attention and (c.rope_theta, c.head_dim) == (s.rope_theta, s.head_dim)
+                   else None)
     return EagleDrafter(pack_linears(head, "gguf" if model.weights == "gguf" else "float32"), model.embed,
-                        max_num_seqs, capacity)
+                        max_num_seqs, capacity, rope_tables)

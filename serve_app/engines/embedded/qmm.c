@@ -473,12 +473,13 @@ static void rope_head(const float *x, const float *c, const float *s, int64_t D,
 }
 
 /* qkv [R, (H + 2 KV) * D] for R = B * Q rows (sequence b's Q positions pos[b * Q + i], in slot
-   slot0 + b of the caches kc, vc [slots, KV, length, D]) -> out [R, H * D]. Keys and values of
+   slots[b] of the caches kc, vc [slots, KV, length, D], or slot0 + b when slots is NULL)
+   -> out [R, H * D]. Keys and values of
    every row are written first; then each query row attends to keys 0 .. its position, in order,
    so a row's result does not depend on the rows beside it. */
 int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, int64_t H, int64_t KV, int64_t D,
-                  const float *cos, const float *sin, float *kc, float *vc, int64_t slot0, int64_t length,
-                  float *out) {
+                  const float *cos, const float *sin, float *kc, float *vc, int64_t slot0, const int64_t *slots,
+                  int64_t length, float *out) {
     const int64_t R = B * Q, W = (H + 2 * KV) * D, G = H / KV;
     const float scale = 1.0f / sqrtf((float)D);
     int64_t maxpos = 0;
@@ -487,7 +488,7 @@ int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, in
     if (!qr) return -1;
     float *scores = qr + R * H * D, *tmp = scores + maxpos + 17;
     for (int64_t r = 0; r < R; r++) {
-        const int64_t p = pos[r], slot = slot0 + r / Q;
+        const int64_t p = pos[r], slot = slots ? slots[r / Q] : slot0 + r / Q;
         const float *row = qkv + r * W, *c = cos + p * D, *s = sin + p * D;
         for (int64_t h = 0; h < H; h++) {
             rope_head(row + h * D, c, s, D, tmp);
@@ -501,7 +502,7 @@ int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, in
     }
     const int vec = D % 16 == 0;
     for (int64_t r = 0; r < R; r++) {
-        const int64_t p = pos[r], slot = slot0 + r / Q, nk = p + 1;
+        const int64_t p = pos[r], slot = slots ? slots[r / Q] : slot0 + r / Q, nk = p + 1;
         for (int64_t h = 0; h < H; h++) {
             const float *qh = qr + (r * H + h) * D;
             const float *kh = kc + (slot * KV + h / G) * length * D, *vh = vc + (slot * KV + h / G) * length * D;

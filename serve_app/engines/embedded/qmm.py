@@ -109,7 +109,7 @@ def load(path: Path) -> ctypes.CDLL:
         getattr(lib, name).argtypes = [ptr, ptr, ctypes.c_float, i64, i64, ptr, i64, ptr]
         getattr(lib, name).restype = ctypes.c_int
     lib.qmm_path.restype = ctypes.c_char_p
-    lib.qmm_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    lib.qmm_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr]
     lib.qmm_attention.restype = ctypes.c_int
     return lib
 
@@ -177,20 +177,26 @@ class Q8_0Linear(_QuantLinear):
 
 
 def attention(qkv: torch.Tensor, pos: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
-              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot0: int) -> torch.Tensor:
+              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot0: int = 0,
+              slots: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's attention in qmm.c: RoPE on ``qkv`` [B, q, (H + 2 KV) * D]'s queries and
     keys, keys and values written into the caches [slots, KV, length, D] at ``pos`` [B, q]
-    (slots slot0 ..), and each query attending to its sequence's keys up to its position.
-    Returns [B, q, H * D]. float32 on the CPU only."""
+    (sequence b in slot ``slots[b]``, or ``slot0 + b`` without ``slots``), and each query
+    attending to its sequence's keys up to its position. Returns [B, q, H * D]. float32 on the
+    CPU only."""
     B, q, width = qkv.shape
     d = width // (heads + 2 * kv_heads)
     qkv, pos = qkv.float().contiguous(), pos.to(torch.int64).contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32):
         raise ValueError("qmm attention needs contiguous float32 caches")
+    if slots is not None:
+        slots = slots.to(torch.int64).contiguous()
+        if slots.shape != (B,):
+            raise ValueError(f"qmm attention: {tuple(slots.shape)} slots for {B} sequences")
     out = torch.empty(B, q, heads * d, dtype=torch.float32)
     _call(library().qmm_attention, "qmm attention", qkv.data_ptr(), pos.data_ptr(), B, q, heads, kv_heads, d,
-          cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot0, k_cache.shape[2],
-          out.data_ptr())
+          cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot0,
+          None if slots is None else slots.data_ptr(), k_cache.shape[2], out.data_ptr())
     return out
 
 
