@@ -27,11 +27,10 @@ import itertools
 import multiprocessing as mp
 import sys
 import time
-from datetime import UTC, datetime
 
 from tqdm import tqdm
 
-from .client import Poller, Record, Target, add_target_arguments, prompt_messages, run_against_target
+from .client import Poller, Record, Target, add_target_arguments, prompt_messages, run_against_target, with_overrides
 from .engine import _int_list
 from .serve import measure_window, meta, point_row, spec_steps_of
 from .stats import emit
@@ -185,8 +184,7 @@ async def measure(target: Target, engines: Engines, args: argparse.Namespace, re
                                  "stack": stack, "engines": eng})
         await target.put_mode(None)
     return {"meta": meta(args, target, status, spec_steps) | {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "repeats": args.repeats,
-        "settle_s": args.settle_s, "measure_s": args.measure_s,
+        "repeats": args.repeats, "settle_s": args.settle_s, "measure_s": args.measure_s,
         "engines": f"{replicas} processes, each the config's engine, c/{replicas} clients each"}, "rows": rows}
 
 
@@ -213,8 +211,6 @@ def run(args: argparse.Namespace) -> int:
         sys.exit(f"--policies takes {', '.join(POLICIES)}")
     if args.repeats < 1 or args.settle_s < 0 or args.measure_s <= 0:
         sys.exit("--repeats must be >= 1, --settle-s >= 0 and --measure-s > 0")
-    from .client import with_overrides
-
     raw = with_overrides(read_serve_config(args.config)[1], args.overrides)
     engine = EngineConfig.model_validate(raw.get("engine") or {})
     if engine.backend != "embedded":
