@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import qmm
 from .linear import pack_linears
 from .model import rope as apply_rope
 
@@ -232,8 +233,6 @@ class EagleDrafter:
         B, q = tokens.shape
         pos = lens[:, None] + torch.arange(q, device=lens.device)
         if self.rope_tables is not None:
-            from . import qmm
-
             c = self.head.config
             # Padding rows write past their sequence's verified length, which later steps
             # overwrite before any query reads it (as in the target's cache); only a row past

@@ -201,8 +201,7 @@ def format_table(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serve_app.engines.config import EngineConfig
-    from serve_app.serving.config import read_serve_config
+    from serve_app.serving.config import AppArgs, read_serve_config
 
     if args.url:
         sys.exit("bench efficiency builds the config's engines itself: give --config, not --url")
@@ -211,11 +210,12 @@ def run(args: argparse.Namespace) -> int:
         sys.exit(f"--policies takes {', '.join(POLICIES)}")
     if args.repeats < 1 or args.settle_s < 0 or args.measure_s <= 0:
         sys.exit("--repeats must be >= 1, --settle-s >= 0 and --measure-s > 0")
-    raw = with_overrides(read_serve_config(args.config)[1], args.overrides)
-    engine = EngineConfig.model_validate(raw.get("engine") or {})
+    app = AppArgs.model_validate(with_overrides(read_serve_config(args.config)[1], args.overrides))
+    engine, replicas = app.engine, app.num_replicas
     if engine.backend != "embedded":
         sys.exit(f"{args.config} runs the {engine.backend} backend; bench efficiency builds embedded engines")
-    replicas = int(raw.get("num_replicas", 1))
+    if app.autoscaling_config is not None:
+        sys.exit(f"{args.config} autoscales its replicas; bench efficiency needs a fixed num_replicas")
     bad = [c for c in args.concurrency if c < replicas or c % replicas]
     if bad:
         sys.exit(f"--concurrency must be multiples of the {replicas} replicas; got {bad}")
