@@ -255,3 +255,28 @@ def test_report_says_when_dynamic_ran_one_mode_through_the_trace():
     assert "did not switch" not in trace_checks(pol)[0]
     pol["dynamic"] = policy(22.0, [3, 3])  # met: nothing to explain
     assert trace_checks(pol)[0].startswith("- dynamic's goodput ≥ both static policies: yes (22.0")
+
+
+def test_bench_serve_runs_two_level_on_a_mixed_workload_and_puts_the_step_policy_back(reset_tiny_app, tmp_path):
+    url, out = reset_tiny_app.prefix, tmp_path / "mixed.json"
+    assert main(["serve", "--url", url, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN", "--concurrency", "2",
+                 "--policies", "off,dynamic,two-level", "--prompt-set", "chat,copy", "--sampled-every", "3", *FAST,
+                 "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())
+    assert [r["policy"] for r in sweep["rows"]] == ["off", "dynamic", "two-level"]
+    assert all(r["errors"] == 0 and r["num_requests"] > 0 for r in sweep["rows"])
+    (x,) = sweep["ratios"]
+    assert x["two_level_over_best_static"] > 0 and x["two_level_over_dynamic"] > 0
+    assert sweep["meta"]["sampled_every"] == 3 and sweep["meta"]["prompt_set"] == "chat,copy"
+    status = reset_tiny_app.speculation()
+    assert status["policy"]["engine_step_policy"] is None and {r["step_policy"] for r in status["replicas"]} == {"fixed"}
+    details = [e["detail"] for e in status["events"] if e["reason"] == "step_policy"]
+    assert details[-2:] == ["engines' step_policy fixed -> adaptive", "engines' step_policy adaptive -> configured"]
+
+
+def test_every_nth_request_is_sampled_with_its_index_as_seed():
+    from serve_app.tools.bench.client import sampling_for
+
+    assert [sampling_for(i, 3) for i in range(6)] == [(0.0, None), (0.0, None), (1.0, 2), (0.0, None), (0.0, None),
+                                                      (1.0, 5)]
+    assert {sampling_for(i, 0) for i in range(5)} == {(0.0, None)}

@@ -160,9 +160,9 @@ def controller(ray_session):
 def test_long_poll_returns_on_a_switch_and_times_out_otherwise(controller, ray_session):
     _, ctl = controller
     ray = ray_session
-    assert ray.get(ctl.get_num_steps.remote()) == (0, 5)
+    assert ray.get(ctl.get_num_steps.remote()) == (0, 5, None)
     t0 = time.monotonic()
-    assert ray.get(ctl.wait_for_mode.remote(0, 0.3)) == (0, 5)
+    assert ray.get(ctl.wait_for_mode.remote(0, 0.3)) == (0, 5, None)
     assert 0.25 < time.monotonic() - t0 < 2.0
 
     waiter = ctl.wait_for_mode.remote(0, 30.0)
@@ -170,8 +170,15 @@ def test_long_poll_returns_on_a_switch_and_times_out_otherwise(controller, ray_s
     status = ray.get(ctl.update.remote("fixed", 0, None))
     assert (status["mode"], status["num_steps"], status["version"]) == ("fixed", 0, 1)
     t0 = time.monotonic()
-    assert ray.get(waiter, timeout=5) == (1, 0)
+    assert ray.get(waiter, timeout=5) == (1, 0, None)
     assert time.monotonic() - t0 < 0.5
+
+    # The engines' step policy travels with the mode: a version of its own, same num_steps.
+    waiter = ctl.wait_for_mode.remote(1, 30.0)
+    time.sleep(0.2)
+    status = ray.get(ctl.update.remote(None, None, {"engine_step_policy": "adaptive"}))
+    assert ray.get(waiter, timeout=5) == (2, 0, "adaptive")
+    assert (status["events"][-1]["reason"], status["events"][-1]["to"]) == ("step_policy", 0)
 
 
 def test_bad_operator_input_comes_back_as_an_error_naming_the_field(controller, ray_session):
@@ -203,7 +210,18 @@ def test_many_long_polls_wait_concurrently(controller, ray_session):
     waiters = [ctl.wait_for_mode.remote(0, 30.0) for _ in range(50)]
     time.sleep(0.3)
     ray.get(ctl.update.remote("fixed", 3, None))
-    assert ray.get(waiters, timeout=10) == [(1, 3)] * 50
+    assert ray.get(waiters, timeout=10) == [(1, 3, None)] * 50
+
+
+def test_a_step_policy_change_is_a_version_that_leaves_the_ladder_s_timing_alone():
+    loop = ControlLoop(FAST, OPTS)
+    assert drive(loop, 0.0, 3.0, per_replica_queue=8)[0].to_steps == 3
+    switched_at, version = loop.last_switch_time, loop.version
+    event = loop.set_policy({"engine_step_policy": "adaptive"}, 3.5)
+    assert (event.reason, event.from_steps, event.to_steps, event.version) == ("step_policy", 3, 3, version + 1)
+    assert loop.mode_tuple == (version + 1, 3, "adaptive") and loop.last_switch_time == switched_at
+    assert loop.set_policy({"margin": 0.5}, 3.6) is None  # the same step policy: no new version
+    assert loop.set_policy({"engine_step_policy": None}, 3.7).detail.endswith("adaptive -> configured")
 
 
 def test_pure_loop_has_no_event_loop_dependency():

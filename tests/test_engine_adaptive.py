@@ -65,3 +65,40 @@ async def _gate_recovers():
         assert engine.core.totals["accepted"] > 0
     finally:
         await engine.shutdown()
+
+
+def test_the_step_policy_changes_at_run_time_between_steps():
+    asyncio.run(_switch_step_policy())
+
+
+async def _switch_step_policy():
+    from serve_app.engines.base import InvalidRequestError
+
+    engine = EmbeddedEngine(model="tiny-random", drafter="ngram", num_threads=1, max_model_len=256, max_num_seqs=4)
+    await engine.start()
+    try:
+        engine.core.num_steps = 3
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+        async def run(rid: str) -> list[int]:
+            out = []
+            async for d in engine.generate(GenerateRequest(rid, prompt="a b a b a b a b", params=params)):
+                out += d.token_ids
+            return out
+
+        fixed = await run("fixed")
+        assert engine.core.chooser is None and engine.load().mean_num_steps is None
+        await engine.set_step_policy("adaptive")
+        adaptive = await run("adaptive")
+        chooser = engine.core.chooser
+        assert chooser is not None and sum(chooser.reasons.values()) > 0 and engine.load().mean_num_steps is not None
+        await engine.set_step_policy("adaptive")  # the same policy again keeps the chooser and what it learned
+        await run("again")
+        assert engine.core.chooser is chooser
+        await engine.set_step_policy("fixed")
+        assert await run("fixed again") == fixed == adaptive  # greedy: the same tokens whatever the steps
+        assert engine.core.chooser is None
+        with pytest.raises(InvalidRequestError, match="fixed or adaptive"):
+            await engine.set_step_policy("sometimes")
+    finally:
+        await engine.shutdown()

@@ -106,18 +106,18 @@ class ModeController:
             for fut in self._waiters:
                 if not fut.done():
                     fut.set_result(None)
-            asyncio.get_running_loop().create_task(self._broadcast(self._loop.version, self._loop.num_steps))
+            asyncio.get_running_loop().create_task(self._broadcast(*self._loop.mode_tuple))
         done = self._loop.pop_propagated()
         for e in done:
             self._metrics.observe_propagation(e.propagation_s)  # type: ignore[arg-type]
         if done:
             self._save()
 
-    async def _broadcast(self, version: int, num_steps: int) -> None:
+    async def _broadcast(self, version: int, num_steps: int, step_policy: str | None) -> None:
         # The long-poll is what guarantees delivery; this direct push is a second path.
         try:
             handle = await self._handle
-            await handle.broadcast("apply_num_steps", version, num_steps).results_async(
+            await handle.broadcast("apply_num_steps", version, num_steps, step_policy).results_async(
                 timeout_s=5.0, return_exceptions=True
             )
         except Exception as e:
@@ -125,12 +125,13 @@ class ModeController:
 
     # -- called by replicas -------------------------------------------------------------------
 
-    async def get_num_steps(self) -> tuple[int, int]:
-        """(version, num_steps) now."""
-        return self._loop.version, self._loop.num_steps
+    async def get_num_steps(self) -> tuple[int, int, str | None]:
+        """(version, num_steps, engine_step_policy) now."""
+        return self._loop.mode_tuple
 
-    async def wait_for_mode(self, known_version: int, timeout_s: float) -> tuple[int, int]:
-        """Long-poll: return (version, num_steps) as soon as version > known_version, or after timeout_s."""
+    async def wait_for_mode(self, known_version: int, timeout_s: float) -> tuple[int, int, str | None]:
+        """Long-poll: return (version, num_steps, engine_step_policy) as soon as version >
+        known_version, or after timeout_s."""
         if self._loop.version <= known_version:
             fut = asyncio.get_running_loop().create_future()
             self._waiters.add(fut)
@@ -140,18 +141,18 @@ class ModeController:
                 pass
             finally:
                 self._waiters.discard(fut)
-        return self._loop.version, self._loop.num_steps
+        return self._loop.mode_tuple
 
-    async def report(self, report: ReplicaReport | dict[str, Any]) -> tuple[int, int]:
+    async def report(self, report: ReplicaReport | dict[str, Any]) -> tuple[int, int, str | None]:
         """A replica's load report (a ReplicaReport, or its fields as a dict); answers
-        (version, num_steps).
+        (version, num_steps, engine_step_policy).
 
         The report's own ``time`` counts, so a report delayed by a controller restart arrives stale."""
         fields = asdict(report) if isinstance(report, ReplicaReport) else report
         fields = {**fields, "time": min(fields.get("time", time.time()), time.time())}
-        answer = self._loop.report(ReplicaReport(**fields))
+        self._loop.report(ReplicaReport(**fields))
         self._after(None)
-        return answer
+        return self._loop.mode_tuple
 
     async def ack(self, replica_id: str, version: int) -> None:
         self._loop.ack(replica_id, version, time.time())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -40,6 +40,12 @@ class PolicyConfig(Strict):
     dwell_s: float = Field(default=2.0, ge=0)
     min_switch_interval_s: float = Field(default=5.0, ge=0)
     smoothing_s: float = Field(default=1.0, ge=0)
+    engine_step_policy: Literal["fixed", "adaptive"] | None = Field(
+        default=None,
+        description="How the engines use the tier's num_steps: fixed (every decode step drafts it), adaptive (a "
+        "ceiling; each engine picks every step's draft length under it), null (each engine's configured "
+        "step_policy). Broadcast with the mode, so a change reaches every replica without a restart.",
+    )
 
     @model_validator(mode="after")
     def _check_ladder(self) -> PolicyConfig:

@@ -30,6 +30,9 @@ class ReplicaReport:
     mean_num_steps: float | None = None
     """Where the engine picks each step's draft length under ``num_steps`` (its ceiling): the
     mean it ran over its last seconds."""
+    step_policy: str | None = None
+    """fixed: the engine drafts ``num_steps`` every decode step; adaptive: ``num_steps`` is its
+    ceiling."""
     switch_failures: int = 0
     last_switch_error: str | None = None
 
@@ -178,9 +181,26 @@ class ControlLoop:
         return self._decide(now)
 
     def set_policy(self, patch: dict[str, Any], now: float) -> SwitchEvent | None:
-        """Change policy fields at run time (``tiers`` is replaced whole). Raises ValidationError."""
+        """Change policy fields at run time (``tiers`` is replaced whole). Raises ValidationError.
+
+        A change of ``engine_step_policy`` is a switch of its own (reason ``step_policy``, the
+        same num_steps): it gets a version, so the replicas hear of it the way they hear of a
+        new num_steps. Returns the last switch, if any."""
+        before = self.policy.engine_step_policy
         self.policy = PolicyConfig.model_validate({**self.policy.model_dump(), **patch})
-        return self._decide(now)
+        event = None
+        if self.policy.engine_step_policy != before:
+            step_policy = self.policy.engine_step_policy or "configured"
+            last = self.last_switch_time  # not a change of num_steps: the ladder's timing stays
+            event = self._switch(Decision(self.num_steps, True, "step_policy", None,
+                                          f"engines' step_policy {before or 'configured'} -> {step_policy}"), now)
+            self.last_switch_time = last
+        return self._decide(now) or event
+
+    @property
+    def mode_tuple(self) -> tuple[int, int, str | None]:
+        """What the replicas apply: (version, num_steps, engine_step_policy)."""
+        return self.version, self.num_steps, self.policy.engine_step_policy
 
     # -- reading and persistence -----------------------------------------------------------
 
@@ -209,6 +229,7 @@ class ControlLoop:
                 {
                     "id": r.replica_id,
                     "num_steps": r.num_steps,
+                    "step_policy": r.step_policy,
                     "active_num_steps": r.num_steps if r.active_num_steps is None else r.active_num_steps,
                     "mean_num_steps": r.mean_num_steps,
                     "applied_version": r.applied_version,

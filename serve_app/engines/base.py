@@ -256,6 +256,11 @@ class Engine(Protocol):
     async def set_num_steps(self, num_steps: int) -> None:
         """Set the speculation depth (0 = off) for the next decode step of every request."""
 
+    async def set_step_policy(self, step_policy: str) -> None:
+        """``fixed``: every decode step drafts ``num_steps``; ``adaptive``: ``num_steps`` is a
+        ceiling and the engine picks each step's draft length under it. From the next decode
+        step, without a restart."""
+
     def load(self) -> EngineLoad:
         """A cheap, non-blocking load snapshot."""
 

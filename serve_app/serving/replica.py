@@ -69,6 +69,7 @@ class LLMReplica:
         self._switch_failures, self._last_switch_error = 0, None
 
         self._engine = make_engine(engine)
+        self._configured_step_policy = self._step_policy = getattr(engine.options, "step_policy", "fixed")
         await self._engine.start()
         self._engine_ready_at = time.time()
 
@@ -87,21 +88,26 @@ class LLMReplica:
 
     # -- mode -------------------------------------------------------------------------------
 
-    async def apply_num_steps(self, version: int, num_steps: int) -> int:
-        """Run ``num_steps`` from the next decode step, if ``version`` is newer than ours.
-        Returns the version now applied. Called by the controller's direct broadcast too."""
+    async def apply_num_steps(self, version: int, num_steps: int, step_policy: str | None = None) -> int:
+        """Run ``num_steps`` from the next decode step, if ``version`` is newer than ours, with
+        the engines' ``step_policy`` (None: the engine's configured one). Returns the version
+        now applied. Called by the controller's direct broadcast too."""
+        step_policy = step_policy or self._configured_step_policy
         async with self._mode_lock:
             if version <= self._version:
                 return self._version
-            if num_steps != self._num_steps:
-                try:
+            try:
+                if step_policy != self._step_policy:
+                    await self._engine.set_step_policy(step_policy)
+                    self._step_policy = step_policy
+                if num_steps != self._num_steps:
                     await self._engine.set_num_steps(num_steps)
-                except Exception as e:  # keep serving in the last mode; the next broadcast or poll retries
-                    self._switch_failures += 1
-                    self._last_switch_error = f"{type(e).__name__}: {e}"
-                    self._metrics.observe_switch_failure()
-                    logger.warning("replica %s: switch to %d steps failed (%s)", self._id, num_steps, e)
-                    raise
+            except Exception as e:  # keep serving in the last mode; the next broadcast or poll retries
+                self._switch_failures += 1
+                self._last_switch_error = f"{type(e).__name__}: {e}"
+                self._metrics.observe_switch_failure()
+                logger.warning("replica %s: switch to %d steps (%s) failed (%s)", self._id, num_steps, step_policy, e)
+                raise
             self._version, self._num_steps = version, num_steps
         if hasattr(self, "_tasks"):  # after start-up; the first report tells the controller
             self._controller.ack.remote(self._id, version)
@@ -163,6 +169,7 @@ class LLMReplica:
             accept_rate=load.accept_rate,
             active_num_steps=self._num_steps if load.active_num_steps is None else load.active_num_steps,
             mean_num_steps=load.mean_num_steps,
+            step_policy=self._step_policy,
             switch_failures=self._switch_failures,
             last_switch_error=self._last_switch_error,
         )
@@ -176,6 +183,7 @@ class LLMReplica:
             "node_id": ray.get_runtime_context().get_node_id(),
             "model": self._engine.model_name,
             "num_steps": self._num_steps,
+            "step_policy": self._step_policy,
             "version": self._version,
             "engine_ready_at": self._engine_ready_at,
             "mode_applied_at": self._mode_applied_at,

@@ -222,6 +222,14 @@ class EmbeddedEngine:
             raise InvalidRequestError(f"num_steps must be an integer in [0, {self.options.max_num_steps}]", "num_steps")
         self.core.num_steps = num_steps
 
+    async def set_step_policy(self, step_policy: str) -> None:
+        """``fixed`` or ``adaptive`` from the next decode step, without a restart. The step
+        thread swaps the chooser between steps; a new adaptive chooser starts from the
+        configured settings (no acceptance or step cost carried over)."""
+        if step_policy not in ("fixed", "adaptive"):
+            raise InvalidRequestError(f"step_policy must be fixed or adaptive, got {step_policy!r}", "step_policy")
+        self._submit(("step_policy", step_policy))
+
     def load(self) -> EngineLoad:
         core = self.core
         if core is None:
@@ -264,5 +272,8 @@ class EmbeddedEngine:
             if kind == "add":
                 self._num_waiting -= 1
                 self.core.add(arg)
+            elif kind == "step_policy":
+                if (arg == "adaptive") != (self.core.chooser is not None):
+                    self.core.chooser = StepChooser(self.options.adaptive) if arg == "adaptive" else None
             else:
                 self.core.abort(arg)

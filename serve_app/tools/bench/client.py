@@ -31,7 +31,20 @@ from serve_app.serving.config import read_serve_config
 from .prompts import PROMPT_SETS, chat_messages
 from .stats import RequestTiming
 
-POLICIES = ("spec", "off", "dynamic")
+POLICIES = ("spec", "off", "dynamic", "two-level")
+"""``spec``/``off``: a pinned num_steps; ``dynamic``: the cluster ladder, every engine drafting
+the tier's num_steps; ``two-level``: the same ladder as a ceiling, each engine picking every
+step's draft length under it (``engine_step_policy: adaptive``)."""
+DEFAULT_POLICIES = ("spec", "off", "dynamic")
+
+
+def sampling_for(prompt_index: int, sampled_every: int) -> tuple[float, int | None]:
+    """(temperature, seed) of request ``prompt_index``: greedy, except every ``sampled_every``-th
+    (the last of each group) at temperature 1 with its index as seed, so that every policy
+    samples the same requests alike."""
+    if sampled_every and prompt_index % sampled_every == sampled_every - 1:
+        return 1.0, prompt_index
+    return 0.0, None
 
 
 # -- one request -------------------------------------------------------------------------
@@ -81,6 +94,7 @@ class Target:
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
         self.model: str | None = None
         self.extra_body: dict[str, Any] = {}  # added to every chat request, e.g. a server's own parameters
+        self.sampled_every = 0  # see sampling_for
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -126,9 +140,33 @@ class Target:
             await asyncio.sleep(0.1)
         return status
 
+    async def put_step_policy(self, step_policy: str | None) -> None:
+        """Set the engines' step policy (None: each engine's configured one) and wait until every
+        replica runs the version that carries it."""
+        r = await self.http.put("/v1/speculation", json={"policy": {"engine_step_policy": step_policy}})
+        if r.status_code != 200:
+            raise RuntimeError(f"PUT /v1/speculation engine_step_policy={step_policy}: HTTP {r.status_code} {r.text[:200]}")
+        version = r.json()["version"]
+        status = await self.wait_for(lambda s: bool(s["replicas"]) and all(
+            x["applied_version"] >= version for x in s["replicas"]), 30)
+        if not all(x["applied_version"] >= version for x in status["replicas"]):
+            raise RuntimeError(f"replicas did not apply engine_step_policy={step_policy} within 30s: {status['replicas']}")
+
+    async def restore(self, status: dict) -> None:
+        """Back to auto mode and the engines' step policy of ``status`` (taken before a run)."""
+        await self.put_mode(None)
+        initial = status["policy"].get("engine_step_policy")
+        if (await self.status())["policy"].get("engine_step_policy") != initial:
+            await self.put_step_policy(initial)
+
     async def apply_policy(self, policy: str, spec_steps: int) -> None:
-        """``spec``/``off`` pin a mode and wait until every replica runs it; ``dynamic`` is auto."""
-        if policy == "dynamic":
+        """``spec``/``off`` pin a mode and wait until every replica runs it; ``dynamic`` and
+        ``two-level`` are auto, the engines' step policy fixed and adaptive."""
+        status = await self.status()
+        want = "adaptive" if policy == "two-level" else "fixed"
+        if status["policy"].get("engine_step_policy") != want:
+            await self.put_step_policy(want)
+        if policy in ("dynamic", "two-level"):
             await self.put_mode(None)
             return
         k = spec_steps if policy == "spec" else 0
@@ -138,10 +176,13 @@ class Target:
             raise RuntimeError(f"replicas did not apply num_steps={k} within 30s: {status['replicas']}")
 
     async def chat(self, prompt_index: int, messages: list[dict], max_tokens: int, ignore_eos: bool) -> Record:
-        """One greedy streamed chat completion, timed chunk by chunk."""
+        """One streamed chat completion, timed chunk by chunk: greedy, or sampled (see sampling_for)."""
         rec = Record(time.perf_counter(), prompt_index)
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+        temperature, seed = sampling_for(prompt_index, self.sampled_every)
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos} | self.extra_body
+        if seed is not None:
+            body |= {"seed": seed, "top_p": 1.0}
         try:
             async with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -303,6 +344,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-set", default="chat", help="comma list of prompt sets, interleaved (default chat)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request, at most (default 128)")
     p.add_argument("--ignore-eos", action="store_true", help="every request runs to --max-tokens")
+    p.add_argument("--sampled-every", type=int, default=0, metavar="N",
+                   help="every N-th request at temperature 1 (seeded by its index; default 0: all greedy)")
 
 
 def run_against_target(args: argparse.Namespace, body: Callable[[Target], Awaitable[Any]]) -> Any:
@@ -310,11 +353,14 @@ def run_against_target(args: argparse.Namespace, body: Callable[[Target], Awaita
     for name in args.prompt_set.split(","):
         if name not in PROMPT_SETS:
             raise SystemExit(f"prompt sets are {', '.join(PROMPT_SETS)}; got {name!r}")
+    if args.sampled_every < 0:
+        raise SystemExit(f"--sampled-every must be >= 0, got {args.sampled_every}")
     token_env = args.admin_token_env or (read_serve_config(args.config)[1].get("admin_token_env", "SPECSERVE_ADMIN_TOKEN")
                                          if not args.url else "SPECSERVE_ADMIN_TOKEN")
 
     async def main(url: str) -> Any:
         target = Target(url, os.environ.get(token_env))
+        target.sampled_every = args.sampled_every
         try:
             await target.start()
             return await body(target)

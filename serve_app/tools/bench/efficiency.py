@@ -30,7 +30,16 @@ import time
 
 from tqdm import tqdm
 
-from .client import Poller, Record, Target, add_target_arguments, prompt_messages, run_against_target, with_overrides
+from .client import (
+    Poller,
+    Record,
+    Target,
+    add_target_arguments,
+    prompt_messages,
+    run_against_target,
+    sampling_for,
+    with_overrides,
+)
 from .engine import _int_list
 from .serve import measure_window, meta, point_row, spec_steps_of
 from .stats import emit
@@ -64,15 +73,18 @@ class _NoPoller:
 class EngineTarget:
     """``Target.chat`` against an engine in this process: the same record, timed per delta."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, sampled_every: int = 0):
         self.engine = engine
+        self.sampled_every = sampled_every  # see client.sampling_for
         self._ids = itertools.count()
 
     async def chat(self, prompt_index: int, messages: list[dict], max_tokens: int, ignore_eos: bool) -> Record:
         from serve_app.engines.base import GenerateRequest, SamplingParams
 
         rec = Record(time.perf_counter(), prompt_index)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        temperature, seed = sampling_for(prompt_index, self.sampled_every)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=1.0, seed=seed,
+                                ignore_eos=ignore_eos)
         request = GenerateRequest(f"efficiency-{next(self._ids)}", prompt=self.engine.apply_chat_template(messages),
                                   params=params)
         try:
@@ -85,18 +97,18 @@ class EngineTarget:
         return rec
 
 
-def engine_worker(options: dict, conn) -> None:
+def engine_worker(options: dict, conn, sampled_every: int = 0) -> None:
     """One engine process: build the engine, then run each window the parent sends."""
-    asyncio.run(_serve_windows(options, conn))
+    asyncio.run(_serve_windows(options, conn, sampled_every))
 
 
-async def _serve_windows(options: dict, conn) -> None:
+async def _serve_windows(options: dict, conn, sampled_every: int) -> None:
     from serve_app.engines.embedded import EmbeddedEngine
     from serve_app.engines.embedded.config import EmbeddedOptions
 
     engine = EmbeddedEngine(EmbeddedOptions.model_validate(options))
     await engine.start()
-    target = EngineTarget(engine)
+    target = EngineTarget(engine, sampled_every)
     conn.send("ready")
     while (job := await asyncio.to_thread(conn.recv)) is not None:
         num_steps, prompts, concurrency, settle_s, measure_s, max_tokens, ignore_eos = job
@@ -110,12 +122,12 @@ async def _serve_windows(options: dict, conn) -> None:
 class Engines:
     """``n`` engine processes built from ``options``, run together window by window."""
 
-    def __init__(self, options: dict, n: int):
+    def __init__(self, options: dict, n: int, sampled_every: int = 0):
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
         for _ in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=engine_worker, args=(options, child), daemon=True)
+            proc = ctx.Process(target=engine_worker, args=(options, child, sampled_every), daemon=True)
             proc.start()
             self.pipes.append(parent)
             self.procs.append(proc)
@@ -182,7 +194,7 @@ async def measure(target: Target, engines: Engines, args: argparse.Namespace, re
                                  "efficiency": round(stack["output_tokens_per_s"] / eng["output_tokens_per_s"], 4)
                                  if eng["output_tokens_per_s"] else None,
                                  "stack": stack, "engines": eng})
-        await target.put_mode(None)
+        await target.restore(status)
     return {"meta": meta(args, target, status, spec_steps) | {
         "repeats": args.repeats, "settle_s": args.settle_s, "measure_s": args.measure_s,
         "engines": f"{replicas} processes, each the config's engine, c/{replicas} clients each"}, "rows": rows}
@@ -219,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     bad = [c for c in args.concurrency if c < replicas or c % replicas]
     if bad:
         sys.exit(f"--concurrency must be multiples of the {replicas} replicas; got {bad}")
-    engines = Engines(engine.options.model_dump(), replicas)
+    engines = Engines(engine.options.model_dump(), replicas, args.sampled_every)
     try:
         result = run_against_target(args, lambda target: measure(target, engines, args, replicas))
     finally:

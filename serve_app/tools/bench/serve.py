@@ -48,7 +48,15 @@ from datetime import UTC, datetime
 from tqdm import tqdm
 
 from . import llamacpp
-from .client import POLICIES, Poller, Target, add_target_arguments, prompt_messages, run_against_target
+from .client import (
+    DEFAULT_POLICIES,
+    POLICIES,
+    Poller,
+    Target,
+    add_target_arguments,
+    prompt_messages,
+    run_against_target,
+)
 from .engine import _f as f
 from .engine import _int_list
 from .prompts import PROMPT_SETS
@@ -66,7 +74,8 @@ def _policies(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p)
-    p.add_argument("--policies", type=_policies, default=list(POLICIES), help="comma list (default spec,off,dynamic)")
+    p.add_argument("--policies", type=_policies, default=list(DEFAULT_POLICIES),
+                   help="comma list of spec, off, dynamic, two-level (default spec,off,dynamic)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32], help="comma list")
     p.add_argument("--settle-s", type=float, default=15.0, help="unmeasured seconds at the start of each point")
     p.add_argument("--measure-s", type=float, default=30.0, help="measured seconds of each window")
@@ -257,7 +266,7 @@ async def sweep(target: Target, args: argparse.Namespace) -> dict:
                     bar.update(1)
                 rows += [{"policy": p, "concurrency": c} | point_row(windows[p]) for p in policies]
         if status:
-            await target.put_mode(None)
+            await target.restore(status)
     windows_meta = {"repeats": args.repeats, "settle_s": args.settle_s, "measure_s": args.measure_s,
                     "stagger_s": args.stagger_s}
     return {"meta": meta(args, target, status, spec_steps) | windows_meta, "rows": rows, "ratios": ratios(rows)}
@@ -277,13 +286,15 @@ def meta(args: argparse.Namespace, target: Target, status: dict | None, spec_ste
         "prompt_set": args.prompt_set,
         "max_tokens": args.max_tokens,
         "ignore_eos": args.ignore_eos,
+        "sampled_every": args.sampled_every,
         "host": platform.node(),
         "cpus": os.cpu_count(),
     }
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per concurrency: dynamic's tokens/s over the better static policy's."""
+    """Per concurrency where dynamic ran: its tokens/s over the better static policy's; where
+    two-level ran too, its tokens/s over the better static policy's and over dynamic's."""
     out = []
     for c in dict.fromkeys(r["concurrency"] for r in rows):
         tps = {r["policy"]: r["output_tokens_per_s"] for r in rows if r["concurrency"] == c}
@@ -291,8 +302,11 @@ def ratios(rows: list[dict]) -> list[dict]:
         if "dynamic" not in tps or not static:
             continue
         best = max(static, key=static.get)
-        out.append({"concurrency": c, "best_static": best,
-                    "dynamic_over_best_static": round(tps["dynamic"] / static[best], 4)})
+        x = {"concurrency": c, "best_static": best, "dynamic_over_best_static": round(tps["dynamic"] / static[best], 4)}
+        if tps.get("two-level"):
+            x |= {"two_level_over_best_static": round(tps["two-level"] / static[best], 4),
+                  "two_level_over_dynamic": round(tps["two-level"] / tps["dynamic"], 4) if tps["dynamic"] else None}
+        out.append(x)
     return out
 
 
@@ -312,4 +326,8 @@ def format_table(result: dict) -> str:
     if result["ratios"]:
         lines.append("dynamic / best static: " + ", ".join(
             f"c={x['concurrency']}: {x['dynamic_over_best_static']:.2f} ({x['best_static']})" for x in result["ratios"]))
+    if any("two_level_over_best_static" in x for x in result["ratios"]):
+        lines.append("two-level / best static, / dynamic: " + ", ".join(
+            f"c={x['concurrency']}: {x['two_level_over_best_static']:.2f}, {f(x['two_level_over_dynamic'], '.2f')}"
+            for x in result["ratios"] if "two_level_over_best_static" in x))
     return "\n".join(lines)

@@ -31,7 +31,15 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from .client import POLICIES, Poller, Target, add_target_arguments, all_replicas_at, prompt_messages, run_against_target
+from .client import (
+    DEFAULT_POLICIES,
+    Poller,
+    Target,
+    add_target_arguments,
+    all_replicas_at,
+    prompt_messages,
+    run_against_target,
+)
 from .engine import _f as f
 from .serve import _policies, meta, spec_steps_of
 from .stats import emit, summarize
@@ -43,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p)
     p.add_argument("--trace", default="bursty", help="bursty, diurnal, or a JSON trace file (default bursty)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policies", type=_policies, default=list(POLICIES), help="comma list (default spec,off,dynamic)")
+    p.add_argument("--policies", type=_policies, default=list(DEFAULT_POLICIES),
+                   help="comma list of spec, off, dynamic, two-level (default spec,off,dynamic)")
     p.add_argument("--phases", type=int, default=5, help="phases of the bursty trace, low first (default 5)")
     p.add_argument("--phase-s", type=float, default=40.0, help="seconds per phase (default 40)")
     p.add_argument("--low-rate", type=float, default=0.3, help="requests/s in low phases (default 0.3)")
@@ -179,11 +188,12 @@ async def replay_all(target: Target, trace: dict, args: argparse.Namespace) -> d
             bar.set_postfix_str(policy)
             await target.apply_policy(policy, spec_steps)
             # Start idle; dynamic from its low-load tier, as after a quiet spell.
-            idle = (lambda s: s["cluster_queue"] == 0 and all_replicas_at(s, top)) if policy == "dynamic" else (
+            idle = (lambda s: s["cluster_queue"] == 0 and all_replicas_at(s, top)) if policy in (
+                "dynamic", "two-level") else (
                 lambda s: s["cluster_queue"] == 0)
             await target.wait_for(idle, 60)
             policies[policy] = await replay(target, trace, prompts, args, bar)
-    await target.put_mode(None)
+    await target.restore(status)
     return {"meta": meta(args, target, status, spec_steps) | {"tpot_slo_ms": args.tpot_slo_ms},
             "trace": trace, "policies": policies}
 
