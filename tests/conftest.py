@@ -123,7 +123,7 @@ class LiveApp:
 
     def reset(self) -> None:
         """Back to auto mode with the configured policy, idle."""
-        r = self.put({"mode": "auto", "policy": self.args["policy"]})
+        r = self.put({"mode": "auto", "policy": {"engine_step_policy": None, **self.args["policy"]}})
         r.raise_for_status()
         first = self.args["policy"]["tiers"][0]["num_steps"]
         self.wait_until(self.all_replicas_at(first))

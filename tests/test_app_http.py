@@ -116,6 +116,7 @@ def test_operator_api_requires_the_bearer_token(tiny_app):
         ({"num_steps": 3}, "num_steps"),
         ({"policy": {"margin": -1}}, "policy.margin"),
         ({"policy": {"tiers": [{"below": 2, "num_steps": 4}]}}, "policy"),
+        ({"policy": {"engine_step_policy": "sometimes"}}, "policy.engine_step_policy"),
     ],
 )
 def test_bad_operator_input_is_a_400(tiny_app, body, param):
@@ -130,7 +131,24 @@ def test_speculation_status_has_the_documented_shape(tiny_app):
     assert s["mode"] in ("auto", "fixed")
     assert {"num_steps", "version", "cluster_queue", "replicas", "events", "policy"} <= s.keys()
     assert len(s["replicas"]) == 2
-    assert {"id", "num_steps", "waiting", "running"} <= s["replicas"][0].keys()
+    assert {"id", "num_steps", "step_policy", "mean_num_steps", "waiting", "running"} <= s["replicas"][0].keys()
+
+
+def test_the_engines_step_policy_reaches_every_replica_at_run_time_and_changes_no_greedy_output(fresh_tiny_app):
+    app = fresh_tiny_app
+    body = {"model": "tiny-random", "prompt": "1 2 3 1 2 3 1 2 3", "max_tokens": 24, "temperature": 0}
+    fixed = [app.http.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2)]
+    r = app.put({"policy": {"engine_step_policy": "adaptive"}})
+    assert r.status_code == 200, r.text
+    event = r.json()["events"][-1]
+    assert event["reason"] == "step_policy" and event["from"] == event["to"]  # the ceiling did not move
+    version = r.json()["version"]
+    app.wait_until(lambda s: all(x["applied_version"] >= version and x["step_policy"] == "adaptive"
+                                 for x in s["replicas"]))
+    adaptive = [app.http.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2)]
+    assert adaptive == fixed
+    app.put({"policy": {"engine_step_policy": None}})
+    app.wait_until(lambda s: all(x["step_policy"] == "fixed" for x in s["replicas"]))
 
 
 def test_handle_api_from_another_ray_task(tiny_app, ray_session):
