@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from serve_app.engines.base import SamplingParams
 
+from .client import sampling_for
 from .engine import IGNORE_EOS, Tally, _int_list, closed_loop, mirrored, timed_request
 from .prompts import PROMPT_SETS, chat_messages
 from .stats import RequestTiming, emit
@@ -49,10 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def mixed(i: int, rendered: dict[str, list[str]], max_tokens: int) -> tuple[str, SamplingParams]:
     """Request i of the mixed workload: its prompt and sampling."""
     prompts = rendered["chat" if i % 2 == 0 else "copy"]
-    sampled = i % 3 == 2
+    temperature, seed = sampling_for(i, 3)
     return prompts[(i // 2) % len(prompts)], SamplingParams(
-        max_tokens=max_tokens, temperature=1.0 if sampled else 0.0, top_p=1.0, seed=i if sampled else None,
-        ignore_eos=IGNORE_EOS)
+        max_tokens=max_tokens, temperature=temperature, top_p=1.0, seed=seed, ignore_eos=IGNORE_EOS)
 
 
 def run(args: argparse.Namespace) -> int:
