@@ -147,10 +147,8 @@ class Target:
         if r.status_code != 200:
             raise RuntimeError(f"PUT /v1/speculation engine_step_policy={step_policy}: HTTP {r.status_code} {r.text[:200]}")
         version = r.json()["version"]
-        status = await self.wait_for(lambda s: bool(s["replicas"]) and all(
-            x["applied_version"] >= version for x in s["replicas"]), 30)
-        if not all(x["applied_version"] >= version for x in status["replicas"]):
-            raise RuntimeError(f"replicas did not apply engine_step_policy={step_policy} within 30s: {status['replicas']}")
+        await self._until_replicas(lambda s: bool(s["replicas"]) and all(
+            x["applied_version"] >= version for x in s["replicas"]), f"engine_step_policy={step_policy}")
 
     async def restore(self, status: dict) -> None:
         """Back to auto mode and the engines' step policy of ``status`` (taken before a run)."""
@@ -171,9 +169,13 @@ class Target:
             return
         k = spec_steps if policy == "spec" else 0
         await self.put_mode(k)
-        status = await self.wait_for(lambda s: all_replicas_at(s, k), 30)
-        if not all_replicas_at(status, k):
-            raise RuntimeError(f"replicas did not apply num_steps={k} within 30s: {status['replicas']}")
+        await self._until_replicas(lambda s: all_replicas_at(s, k), f"num_steps={k}")
+
+    async def _until_replicas(self, done: Callable[[dict], bool], what: str, timeout_s: float = 30) -> None:
+        """Wait until ``done(status)``; past ``timeout_s``, RuntimeError naming ``what``."""
+        status = await self.wait_for(done, timeout_s)
+        if not done(status):
+            raise RuntimeError(f"replicas did not apply {what} within {timeout_s:g}s: {status['replicas']}")
 
     async def chat(self, prompt_index: int, messages: list[dict], max_tokens: int, ignore_eos: bool) -> Record:
         """One streamed chat completion, timed chunk by chunk: greedy, or sampled (see sampling_for)."""
