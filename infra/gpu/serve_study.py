@@ -377,7 +377,10 @@ async def table(target: Target, label: str, prompts, res: Results, replicas: boo
             row = {"policy": label, "concurrency": c, **point_row([w])}
             if replicas:
                 status, err = await try_status(target)
-                row["replicas_ran"] = None if status is None else [r.get("active_num_steps") for r in status["replicas"]]
+                reps = [] if status is None else status["replicas"]
+                row["replicas_ran"] = None if status is None else [r.get("active_num_steps") for r in reps]
+                row["replicas_step_policy"] = None if status is None else [r.get("step_policy") for r in reps]
+                row["replicas_mean_num_steps"] = None if status is None else [r.get("mean_num_steps") for r in reps]
                 if err:
                     row["replicas_ran_error"] = err
             rows.append(row)
@@ -445,6 +448,7 @@ async def ramp(target: Target, prompts, res: Results, events: Events) -> dict:
                     "version": s.get("version"),
                     "load_per_replica": s.get("load_per_replica"),
                     "ran": [r.get("active_num_steps") for r in s.get("replicas", [])],
+                    "mean_ran": [r.get("mean_num_steps") for r in s.get("replicas", [])],
                 })
             await asyncio.sleep(0.25)
 
@@ -522,13 +526,56 @@ def app_port(config: str) -> int:
     return int((raw.get("http_options") or {}).get("port", 8000))
 
 
-APP_TABLES = (("steps 3", 3), ("steps 0", 0), ("dynamic", None))
+# (label, bench policy): spec/off pin 3/0 steps; dynamic is the controller's ladder with the
+# engines' step policy fixed; two-level the same ladder as a ceiling, SGLang's own adaptive
+# policy choosing under it (engine_step_policy: adaptive, set at run time through the operator API).
+APP_TABLES = (("steps 3", "spec"), ("steps 0", "off"), ("dynamic", "dynamic"), ("two-level", "two-level"))
 QUICK_TABLES, QUICK_CONCURRENCY = APP_TABLES[:2], (16, 64, 256)
+GREEDY_PROMPTS, GREEDY_MAX_TOKENS = 16, 128
+GREEDY_RUNS = (("fixed", "a"), ("adaptive", "a"), ("fixed", "b"))  # (engine step policy, run), the ceiling 3 pinned
 
 
-async def measure_app(config: str, logs: Path, prompts, res: Results, quick: bool = False) -> None:
+async def greedy_by_step_policy(target: Target, prompts) -> dict:
+    """The same greedy requests (not streamed) through HTTP with 3 steps pinned, under the
+    engines' step policy fixed, then adaptive, then fixed again: how many outputs are
+    identical between the two fixed runs (the same engine twice) and between fixed and adaptive
+    (bf16 near-ties can differ between decode paths; measured, not assumed)."""
+    await target.apply_policy("spec", 3)
+    texts: dict[str, list[str]] = {}
+    for step_policy, run in GREEDY_RUNS:
+        await target.put_step_policy(step_policy)
+        out = []
+        for i in range(GREEDY_PROMPTS):
+            r = await target.http.post("/v1/chat/completions", json={
+                "model": target.model, "messages": prompts[i % len(prompts)], "max_tokens": GREEDY_MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True})
+            r.raise_for_status()
+            out.append(r.json()["choices"][0]["message"]["content"])
+        texts[f"{step_policy} {run}"] = out
+        status = await target.status()
+        texts[f"{step_policy} {run} replicas"] = [
+            {k: x.get(k) for k in ("step_policy", "num_steps", "active_num_steps", "mean_num_steps")}
+            for x in status["replicas"]]
+    a, b, ad = texts["fixed a"], texts["fixed b"], texts["adaptive a"]
+
+    def first_diff(x: str, y: str) -> int | None:
+        return next((j for j, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), None if len(x) == len(y) else min(len(x), len(y)))
+
+    await target.put_step_policy("fixed")
+    await target.put_mode(None)
+    return {"prompts": GREEDY_PROMPTS, "max_tokens": GREEDY_MAX_TOKENS, "num_steps": 3,
+            "identical_fixed_vs_fixed": sum(x == y for x, y in zip(a, b, strict=True)),
+            "identical_fixed_vs_adaptive": sum(x == y for x, y in zip(a, ad, strict=True)),
+            "first_char_diff_fixed_vs_adaptive": [first_diff(x, y) for x, y in zip(a, ad, strict=True)],
+            "replicas": {k: v for k, v in texts.items() if k.endswith("replicas")},
+            "texts": {k: v for k, v in texts.items() if not k.endswith("replicas")}}
+
+
+async def measure_app(config: str, logs: Path, prompts, res: Results, quick: bool = False,
+                      tables: tuple[str, ...] | None = None, ramp_policy: str = "dynamic") -> None:
     """The app's phases; ``quick``: after the openai client, only the tables of steps 3 and 0 at
-    16, 64 and 256 clients."""
+    16, 64 and 256 clients. ``tables``: the labels of APP_TABLES to run (default all); the ramp
+    runs under ``ramp_policy`` (dynamic or two-level)."""
     port = app_port(config)
     url = f"http://127.0.0.1:{port}"
     refuse_if_taken(port, "`serve run`'s HTTP proxy")
@@ -555,12 +602,10 @@ async def measure_app(config: str, logs: Path, prompts, res: Results, quick: boo
         say(f"  openai client: {data['openai_client']}")
         res.done("app: openai client")
 
-        for label, steps in QUICK_TABLES if quick else APP_TABLES:
+        chosen = QUICK_TABLES if quick else [t for t in APP_TABLES if tables is None or t[0] in tables]
+        for label, policy in chosen:
             res.begin(f"app: table {label}")
-            if steps is None:
-                await target.put_mode(None)
-            else:
-                await target.apply_policy("spec" if steps else "off", steps)
+            await target.apply_policy(policy, 3)
             await table(target, label, prompts, res, replicas=True,
                         concurrency=QUICK_CONCURRENCY if quick else CONCURRENCY)
             data["tables"][label] = await events.new(target)
@@ -568,7 +613,16 @@ async def measure_app(config: str, logs: Path, prompts, res: Results, quick: boo
         if quick:
             return
 
+        res.begin("app: greedy by step policy")
+        g = data["greedy_by_step_policy"] = await greedy_by_step_policy(target, prompts)
+        say(f"  greedy, 3 steps: fixed vs fixed {g['identical_fixed_vs_fixed']}/{g['prompts']} identical, "
+            f"fixed vs adaptive {g['identical_fixed_vs_adaptive']}/{g['prompts']}")
+        data["tables"]["greedy by step policy"] = await events.new(target)
+        res.done("app: greedy by step policy")
+
         res.begin("app: ramp")
+        await target.apply_policy(ramp_policy, 3)
+        data["ramp_policy"] = ramp_policy
         r = await ramp(target, prompts, res, events)
         data["switches_under_load"] = r["switches"]
         say(f"  ramp: {r['switches']} switches, commanded {r['steps_commanded_seen']}, "
@@ -641,14 +695,16 @@ async def main_async(args, res: Results) -> None:
             res.data["phase_running"] = None
     if args.part in ("app", "all"):
         try:
-            await measure_app(args.config, logs, prompts, res, quick=args.quick)
+            await measure_app(args.config, logs, prompts, res, quick=args.quick,
+                              tables=tuple(args.tables.split(",")) if args.tables else None, ramp_policy=args.ramp_policy)
         except Exception as e:
             res.error(res.data["phase_running"] or "app", e)
             raise
 
 
 PLAIN_PHASES = ("plain: start", "plain: table")
-APP_PHASES = ("app: start", "app: openai client", *(f"app: table {label}" for label, _ in APP_TABLES), "app: ramp")
+APP_PHASES = ("app: start", "app: openai client", *(f"app: table {label}" for label, _ in APP_TABLES),
+              "app: greedy by step policy", "app: ramp")
 
 
 def complete(data: dict) -> bool:
@@ -689,6 +745,10 @@ def main(argv: list[str] | None = None) -> int:
                          "engine: only merge --engine-json into --out")
     ap.add_argument("--quick", action="store_true",
                     help="the app part only: the openai client, tables of steps 3 and 0 at 16, 64 and 256 clients (no ramp)")
+    ap.add_argument("--tables", help="comma-separated labels of the app's tables to run (default all: "
+                    + ", ".join(label for label, _ in APP_TABLES) + ")")
+    ap.add_argument("--ramp-policy", choices=("dynamic", "two-level"), default="dynamic",
+                    help="the policy the ramp runs under (two-level: the engines' step policy adaptive)")
     ap.add_argument("--ray-stop-force", action="store_true",
                     help="after stopping `serve run`, also run `ray stop --force` (kills EVERY Ray process here)")
     args = ap.parse_args(argv)
