@@ -86,6 +86,7 @@ def test_bench_serve_pins_spec_and_off_and_lets_the_policy_choose_under_dynamic(
     for c in (1, 6):
         assert rows["spec", c]["mode_share"] == {"4": 1.0} and rows["spec", c]["switches"] == 0
         assert rows["off", c]["mode_share"] == {"0": 1.0} and rows["off", c]["switches"] == 0
+        assert rows["spec", c]["steps_ran"] == 4 and rows["off", c]["steps_ran"] == 0  # what the replicas ran
     assert rows["dynamic", 1]["mode_share"].get("4", 0) > 0.5  # 0.5 clients per replica: the low-load tier
     assert rows["dynamic", 6]["mean_load_per_replica"] > rows["dynamic", 1]["mean_load_per_replica"]
 
@@ -267,11 +268,24 @@ def test_bench_serve_runs_two_level_on_a_mixed_workload_and_puts_the_step_policy
     assert all(r["errors"] == 0 and r["num_requests"] > 0 for r in sweep["rows"])
     (x,) = sweep["ratios"]
     assert x["two_level_over_best_static"] > 0 and x["two_level_over_dynamic"] > 0
+    assert sweep["rows"][0]["steps_ran"] == 0
+    two = sweep["rows"][2]  # under the ceiling, the engines' own choice, read back from the replicas
+    assert two["steps_ran"] is not None and 0 <= two["steps_ran"] <= max(int(k) for k in two["mode_share"])
     assert sweep["meta"]["sampled_every"] == 3 and sweep["meta"]["prompt_set"] == "chat,copy"
     status = reset_tiny_app.speculation()
     assert status["policy"]["engine_step_policy"] is None and {r["step_policy"] for r in status["replicas"]} == {"fixed"}
     details = [e["detail"] for e in status["events"] if e["reason"] == "step_policy"]
     assert details[-2:] == ["engines' step_policy fixed -> adaptive", "engines' step_policy adaptive -> configured"]
+
+
+def test_steps_ran_averages_each_replicas_mean_else_active_else_commanded_steps():
+    from serve_app.tools.bench.client import steps_ran
+
+    status = {"replicas": [{"num_steps": 3, "active_num_steps": 2, "mean_num_steps": 1.5},
+                           {"num_steps": 3, "active_num_steps": 1, "mean_num_steps": None},
+                           {"num_steps": 3, "active_num_steps": None, "mean_num_steps": None}]}
+    assert steps_ran(status) == pytest.approx((1.5 + 1 + 3) / 3)
+    assert steps_ran({"replicas": []}) is None
 
 
 def test_every_nth_request_is_sampled_with_its_index_as_seed():

@@ -215,13 +215,26 @@ def all_replicas_at(status: dict, num_steps: int) -> bool:
             and all(r["num_steps"] == num_steps and r["applied_version"] == status["version"] for r in reps))
 
 
+def steps_ran(status: dict) -> float | None:
+    """The draft steps the replicas ran, averaged over replicas: each replica's ``mean_num_steps``
+    (an adaptive engine's mean over its recent steps), else its ``active_num_steps``, else its
+    commanded ``num_steps`` (the rule of the ``specserve_replica_mean_num_steps`` gauge)."""
+    ran = []
+    for r in status.get("replicas") or []:
+        for key in ("mean_num_steps", "active_num_steps", "num_steps"):
+            if r.get(key) is not None:
+                ran.append(float(r[key]))
+                break
+    return sum(ran) / len(ran) if ran else None
+
+
 class Poller:
-    """Samples ``GET /v1/speculation`` in the background: (perf_counter, num_steps, load, version).
-    ``every_s=None``: never (a server without the operator API); its summaries are empty."""
+    """Samples ``GET /v1/speculation`` in the background: (perf_counter, num_steps, load, version,
+    steps_ran). ``every_s=None``: never (a server without the operator API); its summaries are empty."""
 
     def __init__(self, target: Target, every_s: float | None = 0.25):
         self.target, self.every_s = target, every_s
-        self.samples: list[tuple[float, int, float, int]] = []
+        self.samples: list[tuple[float, int, float, int, float | None]] = []
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> Poller:
@@ -242,7 +255,8 @@ class Poller:
     async def _sample(self) -> None:
         try:
             s = await self.target.status()
-            self.samples.append((time.perf_counter(), s["num_steps"], s["load_per_replica"] or 0.0, s["version"]))
+            self.samples.append((time.perf_counter(), s["num_steps"], s["load_per_replica"] or 0.0, s["version"],
+                                 steps_ran(s)))
         except httpx.HTTPError:
             pass
 
@@ -251,7 +265,7 @@ class Poller:
             await asyncio.sleep(self.every_s)
             await self._sample()
 
-    def window(self, t0: float, t1: float) -> list[tuple[float, int, float, int]]:
+    def window(self, t0: float, t1: float) -> list[tuple[float, int, float, int, float | None]]:
         return [s for s in self.samples if t0 <= s[0] < t1]
 
     def version_at(self, t: float) -> int | None:
@@ -259,16 +273,19 @@ class Poller:
         return before[-1] if before else None
 
     def summary(self, t0: float, t1: float) -> dict:
-        """Switches (controller versions) in [t0, t1), mean load, and the share of samples per mode."""
+        """Switches (controller versions) in [t0, t1), mean load, the share of samples per
+        commanded mode (the ceiling), and the mean of the steps the replicas ran."""
         window = self.window(t0, t1)
         v0, v1 = self.version_at(t0), self.version_at(t1)
         share: dict[str, float] = {}
-        for _, k, _, _ in window:
-            share[str(k)] = share.get(str(k), 0) + 1 / len(window)
+        for s in window:
+            share[str(s[1])] = share.get(str(s[1]), 0) + 1 / len(window)
+        ran = [s[4] for s in window if s[4] is not None]
         return {
             "switches": (v1 - v0) if v0 is not None and v1 is not None else None,
             "mean_load_per_replica": round(sum(s[2] for s in window) / len(window), 3) if window else None,
             "mode_share": {k: round(v, 3) for k, v in sorted(share.items())},
+            "steps_ran": round(sum(ran) / len(ran), 3) if ran else None,
         }
 
 

@@ -18,7 +18,9 @@ are measured (a row's ``settle_s`` is the longest settle its windows took):
 - TTFT / TPOT p50 and p99: requests submitted in the window; the clients keep sending
   (unmeasured) requests until the last of them ends, so they all see load c;
 - switches: controller mode changes in the window; ``mode_share``: the share of the window
-  spent in each num_steps; ``mean_load_per_replica``: what the controller saw.
+  spent in each commanded num_steps (the ceiling, under ``two-level``); ``steps_ran``: the
+  mean draft steps the replicas ran (``mean_num_steps``, else ``active_num_steps``);
+  ``mean_load_per_replica``: what the controller saw.
 
 With ``--repeats N`` each policy runs N such windows per concurrency, in mirrored order
 (spec, off, dynamic, dynamic, off, spec, ...), so that a drift of the shared machine over a
@@ -204,6 +206,7 @@ def point_row(windows: list[Window]) -> dict:
         for k, v in w.poll["mode_share"].items():
             share[k] = share.get(k, 0.0) + v / len(windows)
     loads = [w.poll["mean_load_per_replica"] for w in windows if w.poll["mean_load_per_replica"] is not None]
+    ran = [w.poll["steps_ran"] for w in windows if w.poll.get("steps_ran") is not None]
     switches = [w.poll["switches"] for w in windows]
     return summarize(timings, measured_s) | {
         "output_tokens_per_s": round(sum(w.tokens for w in windows) / measured_s, 3),
@@ -217,6 +220,7 @@ def point_row(windows: list[Window]) -> dict:
         "switches": None if None in switches else sum(switches),
         "mean_load_per_replica": round(sum(loads) / len(loads), 3) if loads else None,
         "mode_share": {k: round(v, 3) for k, v in sorted(share.items())},
+        "steps_ran": round(sum(ran) / len(ran), 3) if ran else None,
     }
 
 

@@ -168,7 +168,7 @@ async def replay(target: Target, trace: dict, prompts: list[list[dict]], args: a
     stats = policy_stats(records, end - start, args.tpot_slo_ms)
     stats["switches"] = poller.summary(start, end + 1)["switches"]
     stats["timeline"] = {
-        "mode": [[round(t - start, 3), k, round(load, 3)] for t, k, load, _ in poller.window(start, end + 1)],
+        "mode": [[round(t - start, 3), k, round(load, 3)] for t, k, load, *_ in poller.window(start, end + 1)],
         "requests": [[round(r.start - start, 3), r.phase, round(r.timing.ttft_s * 1000, 2),
                       None if r.timing.tpot_s is None else round(r.timing.tpot_s * 1000, 2), r.output_tokens]
                      for r in records if r.ok],
