@@ -11,15 +11,20 @@ points, as in a running replica.
 The workload mixes what acceptance differs on: request i takes the chat prompts when i is
 even and the copy-heavy ones when odd, and every third request samples at temperature 1
 (seeded), the rest greedy. Each row gives tokens/s, latency percentiles and acceptance;
-``vs_best_fixed`` is adaptive's tokens/s over the best fixed side's at that concurrency.
+``vs_best_fixed`` is adaptive's tokens/s over the best fixed side's at that concurrency;
+``step_ms`` the median wall time of the side's decode steps by batch and draft length
+(``"batch,k"``: [steps, median ms]), so a plain step under ``adaptive`` can be set beside one
+under ``fixed 0``, and the chooser's fitted cost (``meta.chooser``) beside what steps took.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
-from collections import Counter
+import time
+from collections import Counter, defaultdict
 
 from tqdm import tqdm
 
@@ -77,6 +82,18 @@ async def benchmark(args) -> dict:
     rendered = {name: [engine.apply_chat_template(chat_messages(p)) for p in prompts]
                 for name, prompts in PROMPT_SETS.items()}
     sides = [*(f"fixed {k}" for k in args.num_steps), "adaptive"]
+    core = engine.core
+    step_s: dict[tuple[str, int], defaultdict] = {}  # (side, c) -> (batch, k) -> decode step seconds
+    timing = {"into": None}
+    decode = core._decode
+
+    def timed_decode(seqs, ceiling):  # the step thread's decode, timed; what it ran is last_num_steps
+        t = time.perf_counter()
+        decode(seqs, ceiling)
+        if timing["into"] is not None:
+            timing["into"][len(seqs), core.last_num_steps].append(time.perf_counter() - t)
+
+    core._decode = timed_decode
 
     async def point(side: str, c: int, indices: range, tally: Tally) -> None:
         engine.core.chooser = chooser if side == "adaptive" else None
@@ -87,9 +104,11 @@ async def benchmark(args) -> dict:
             prompt, params = mixed(i, rendered, args.max_tokens)
             return await timed_request(engine, prompt, args.max_tokens, params)
 
+        timing["into"] = step_s.setdefault((side, c), defaultdict(list))
         await closed_loop(send, c, indices, progress, tally)
         while engine.core.has_work():
             await asyncio.sleep(0.001)
+        timing["into"] = None
         tally.drafts.update({k: engine.core.totals[k] - before[k] for k in ("proposed", "accepted", "verifies")})
 
     rows: list[dict] = []
@@ -98,6 +117,7 @@ async def benchmark(args) -> dict:
         with tqdm(total=total, desc="bench steps", unit="req", file=sys.stderr) as progress:
             for side in sides:  # warm-up: every path once, and the chooser's first cost samples
                 await point(side, 2, range(4), Tally())
+            step_s.clear()
             progress.reset(total)
             for c in args.concurrency:
                 n = max(args.requests, 2 * c)
@@ -114,6 +134,8 @@ async def benchmark(args) -> dict:
                            key=lambda s: tallies[s].row()["output_tokens_per_s"] or 0)
                 for side in sides:
                     row = {"concurrency": c, "side": side} | tallies[side].row()
+                    row["step_ms"] = {f"{b},{k}": [len(v), round(statistics.median(v) * 1000, 2)]
+                                      for (b, k), v in sorted(step_s.get((side, c), {}).items())}
                     if side == "adaptive":
                         row["best_fixed"] = best
                         row["vs_best_fixed"] = round(row["output_tokens_per_s"]
