@@ -3,14 +3,19 @@
 python scripts/cpu_share.py --config configs/local.yaml --prompt-set chat --concurrency 16 --policy off \
     --settle-s 15 --out bench/results/cpu_share_off_c16.json
 
-With ``--policy off`` (one token per streamed chunk) it also prints ``host_ms_per_chunk``: the
-CPU of the per-request path outside the replicas (ingress, HTTP proxy, benchmark client) per
-chunk, the simulator's ``--host-ms-per-chunk``. A lower bound: the replicas' own streaming work
+``--concurrency 0`` measures the stack idle (no client; ``--settle-s`` after start-up, then
+``--measure-s``).
+
+With ``--policy off`` it also prints ``host_ms_per_chunk``: the CPU of the per-request path
+outside the replicas (ingress, HTTP proxy, benchmark client) per token, which is per chunk
+when every token is its own chunk (``--set streaming.chunks_per_s=0``), the simulator's
+``--host-ms-per-chunk``. A lower bound: the replicas' own streaming work
 is inside their CPU, with the engine's. The CPU is sampled from ``--settle-s`` on, while the
 served window opens no sooner than every client's first request has ended: give a settle longer
 than one request at that load so the two windows coincide.
 """
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -76,7 +81,7 @@ def replica_threads() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_target_arguments(ap)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=16, help="clients; 0: the idle stack, no load")
     ap.add_argument("--policy", default="off")
     ap.add_argument("--settle-s", type=float, default=10)
     ap.add_argument("--measure-s", type=float, default=30)
@@ -101,6 +106,10 @@ def main() -> None:
 
         th = threading.Thread(target=sample)
         th.start()
+        if args.concurrency == 0:  # the idle stack: no client, no poller
+            await asyncio.to_thread(th.join)
+            await target.put_mode(None)
+            return {"row": {"output_tokens_per_s": 0.0, "tpot_p50_ms": None}, **result}
         async with Poller(target) as poller:
             row = await run_point(target, poller, prompts, args.concurrency, args.settle_s, args.measure_s, 128, False)
         th.join()
@@ -111,7 +120,7 @@ def main() -> None:
            "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count()}
     out |= run_against_target(args, body)
     out["cpu_s"] = dict(sorted(out["cpu_s"].items(), key=lambda kv: -kv[1]))
-    if args.policy == "off":
+    if args.policy == "off" and args.concurrency > 0:
         chunks = out["row"]["output_tokens_per_s"] * out["window_s"]
         out["host_ms_per_chunk"] = round(1000 * sum(out["cpu_s"].get(g, 0.0) for g in PER_CHUNK) / chunks, 3)
     print(json.dumps(out, indent=1))
