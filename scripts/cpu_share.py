@@ -117,7 +117,8 @@ def main() -> None:
         return {"row": {k: row[k] for k in ("output_tokens_per_s", "tpot_p50_ms")}, **result}
 
     out = {"command": "python scripts/cpu_share.py " + " ".join(sys.argv[1:]),
-           "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count()}
+           "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
+           "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")}}
     out |= run_against_target(args, body)
     out["cpu_s"] = dict(sorted(out["cpu_s"].items(), key=lambda kv: -kv[1]))
     if args.policy == "off" and args.concurrency > 0:
