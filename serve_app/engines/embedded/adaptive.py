@@ -15,6 +15,12 @@ from serve_app.control.steps import Acceptance, GateState, StepChoice, StepCost,
 WINDOW_S = 5.0  # mean_num_steps averages the decode steps of this many seconds, as load()'s other rates
 
 
+def make_chooser(step_policy: str, config: StepPolicyConfig) -> StepChooser | None:
+    """The chooser an engine runs under ``step_policy``: None for ``fixed`` (every decode step
+    drafts the commanded number), a fresh one for ``adaptive``."""
+    return StepChooser(config) if step_policy == "adaptive" else None
+
+
 class StepChooser:
     def __init__(self, config: StepPolicyConfig, clock=time.monotonic):
         self.config = config

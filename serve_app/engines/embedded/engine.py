@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from ..base import EngineLoad, EngineOverloadedError, GenerateRequest, InvalidRequestError, TokenDelta
-from .adaptive import StepChooser
+from .adaptive import make_chooser
 from .config import EmbeddedOptions
 from .core import EngineCore
 from .drafters import make_drafter
@@ -60,7 +60,7 @@ def build_core(o: EmbeddedOptions) -> EngineCore:
                            capacity=cache.capacity)
     core = EngineCore(model, loaded.tokenizer, drafter, cache, max_num_seqs=o.max_num_seqs,
                       max_prefill_tokens=o.max_prefill_tokens, eos_token_ids=eos,
-                      chooser=StepChooser(o.adaptive) if o.step_policy == "adaptive" else None)
+                      chooser=make_chooser(o.step_policy, o.adaptive))
     del loaded, blocks, q8_0  # the loaded weights: the model holds its own copies
     release_free_heap()
     return core
@@ -274,6 +274,6 @@ class EmbeddedEngine:
                 self.core.add(arg)
             elif kind == "step_policy":
                 if (arg == "adaptive") != (self.core.chooser is not None):
-                    self.core.chooser = StepChooser(self.options.adaptive) if arg == "adaptive" else None
+                    self.core.chooser = make_chooser(arg, self.options.adaptive)
             else:
                 self.core.abort(arg)
