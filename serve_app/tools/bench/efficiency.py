@@ -41,7 +41,7 @@ from .client import (
     with_overrides,
 )
 from .engine import _int_list
-from .serve import measure_window, meta, point_row, spec_steps_of
+from .serve import measure_window, meta, point_row, policy_list, spec_steps_of
 from .stats import emit
 
 HELP = "tokens/s through the serving stack over its engines' own, side by side"
@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p)
     p.add_argument("--concurrency", type=_int_list, default=[2, 8, 32],
                    help="comma list; each a multiple of the replicas (default 2,8,32)")
-    p.add_argument("--policies", default="spec,off", help="comma list of spec, off (default both)")
+    p.add_argument("--policies", type=policy_list(POLICIES), default=list(POLICIES),
+                   help="comma list of spec, off (default both)")
     p.add_argument("--settle-s", type=float, default=8.0, help="unmeasured seconds at the start of a window (default 8)")
     p.add_argument("--measure-s", type=float, default=12.0, help="measured seconds of a window (default 12)")
     p.add_argument("--repeats", type=int, default=1, help="windows a side per point, alternating (default 1)")
@@ -217,9 +218,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.url:
         sys.exit("bench efficiency builds the config's engines itself: give --config, not --url")
-    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not args.policies or any(p not in POLICIES for p in args.policies):
-        sys.exit(f"--policies takes {', '.join(POLICIES)}")
     if args.repeats < 1 or args.settle_s < 0 or args.measure_s <= 0:
         sys.exit("--repeats must be >= 1, --settle-s >= 0 and --measure-s > 0")
     app = AppArgs.model_validate(with_overrides(read_serve_config(args.config)[1], args.overrides))

@@ -44,6 +44,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -67,16 +68,21 @@ from .stats import RequestTiming, emit, summarize
 HELP = "spec vs off vs dynamic over a concurrency sweep, through the HTTP serving stack"
 
 
-def _policies(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names or any(n not in POLICIES for n in names):
-        raise argparse.ArgumentTypeError(f"policies are {', '.join(POLICIES)}; got {text!r}")
-    return names
+def policy_list(allowed: tuple[str, ...] = POLICIES) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of policies, each one of ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names or any(n not in allowed for n in names):
+            raise argparse.ArgumentTypeError(f"policies are {', '.join(allowed)}; got {text!r}")
+        return names
+
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p)
-    p.add_argument("--policies", type=_policies, default=list(DEFAULT_POLICIES),
+    p.add_argument("--policies", type=policy_list(), default=list(DEFAULT_POLICIES),
                    help="comma list of spec, off, dynamic, two-level (default spec,off,dynamic)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32], help="comma list")
     p.add_argument("--settle-s", type=float, default=15.0, help="unmeasured seconds at the start of each point")

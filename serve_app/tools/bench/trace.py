@@ -41,7 +41,7 @@ from .client import (
     run_against_target,
 )
 from .engine import _f as f
-from .serve import _policies, meta, spec_steps_of
+from .serve import meta, policy_list, spec_steps_of
 from .stats import emit, summarize
 
 HELP = "an open-loop bursty or diurnal trace replayed against spec, off and dynamic"
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p)
     p.add_argument("--trace", default="bursty", help="bursty, diurnal, or a JSON trace file (default bursty)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policies", type=_policies, default=list(DEFAULT_POLICIES),
+    p.add_argument("--policies", type=policy_list(), default=list(DEFAULT_POLICIES),
                    help="comma list of spec, off, dynamic, two-level (default spec,off,dynamic)")
     p.add_argument("--phases", type=int, default=5, help="phases of the bursty trace, low first (default 5)")
     p.add_argument("--phase-s", type=float, default=40.0, help="seconds per phase (default 40)")
