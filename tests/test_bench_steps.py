@@ -29,7 +29,7 @@ def test_bench_steps_runs_every_side_and_compares_adaptive_with_the_best_fixed(t
         assert r["num_requests"] == max(3, 2 * r["concurrency"]) and r["output_tokens"] > 0
         ran = {tuple(map(int, key.split(","))): n for key, (n, ms) in r["step_ms"].items() if ms > 0}
         assert all(1 <= b <= r["concurrency"] for b, _ in ran) and sum(ran.values()) > 0
-        if r["side"].startswith("fixed"):  # every decode step of a fixed side drafts its k (or less at the end)
+        if r["side"].startswith("fixed"):  # every decode step of a fixed side is chosen at its k
             assert {k for _, k in ran} <= set(range(int(r["side"].split()[1]) + 1))
     assert {k for key in next(r for r in result["rows"] if r["side"] == "fixed 0")["step_ms"]
             for k in [int(key.split(",")[1])]} == {0}

@@ -14,8 +14,11 @@ newer ``--engine-json`` into ``--out``.
    the engine options of engine_study.COMMON), measured at every concurrency. A plain server
    that fails is recorded under ``errors`` and the study goes on with the app.
 2. ``serve run CONFIG`` (Ray Serve, the controller, HTTP): the openai client, streaming and
-   not; the table for steps 3 and 0 pinned through ``PUT /v1/speculation`` and for the policy
-   (dynamic); then the ramp 1 -> 64 -> 1 clients under the policy, sampling
+   not; the table for steps 3 and 0 pinned through ``PUT /v1/speculation``, for the policy
+   (dynamic) and for two-level (the same ladder as a ceiling, ``engine_step_policy: adaptive``;
+   ``--tables`` picks tables by label); greedy output with 3 steps pinned under the engines'
+   step policy fixed, adaptive, fixed again; then the ramp 1 -> 64 -> 1 clients under the
+   policy (``--ramp-policy``), sampling
    ``GET /v1/speculation`` (commanded and really-run steps per replica) every 0.25 s. After each
    table and after the ramp, the controller's new switch events (with their reasons) are kept.
 3. The result JSON merges engine_study's (greedy comparisons, engine-level speeds).
@@ -65,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "infra" / "gpu"))
 
-from engine_study import COMMON  # noqa: E402
+from engine_study import COMMON, first_difference  # noqa: E402
 
 from serve_app.tools.bench.client import Poller, Target, prompt_messages  # noqa: E402
 from serve_app.tools.bench.serve import measure_window, point_row  # noqa: E402
@@ -375,7 +378,7 @@ async def table(target: Target, label: str, prompts, res: Results, replicas: boo
                 continue
             w = await measure_window(target, poller, prompts, c, SETTLE_S, MEASURE_S, MAX_TOKENS, True)
             row = {"policy": label, "concurrency": c, **point_row([w])}
-            if replicas:
+            if replicas:  # read after the window: an idle SGLang replica reports the command (steps_ran: during it)
                 status, err = await try_status(target)
                 reps = [] if status is None else status["replicas"]
                 row["replicas_ran"] = None if status is None else [r.get("active_num_steps") for r in reps]
@@ -558,15 +561,12 @@ async def greedy_by_step_policy(target: Target, prompts) -> dict:
             for x in status["replicas"]]
     a, b, ad = texts["fixed a"], texts["fixed b"], texts["adaptive a"]
 
-    def first_diff(x: str, y: str) -> int | None:
-        return next((j for j, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), None if len(x) == len(y) else min(len(x), len(y)))
-
     await target.put_step_policy("fixed")
     await target.put_mode(None)
     return {"prompts": GREEDY_PROMPTS, "max_tokens": GREEDY_MAX_TOKENS, "num_steps": 3,
             "identical_fixed_vs_fixed": sum(x == y for x, y in zip(a, b, strict=True)),
             "identical_fixed_vs_adaptive": sum(x == y for x, y in zip(a, ad, strict=True)),
-            "first_char_diff_fixed_vs_adaptive": [first_diff(x, y) for x, y in zip(a, ad, strict=True)],
+            "first_char_diff_fixed_vs_adaptive": [first_difference(x, y) for x, y in zip(a, ad, strict=True)],
             "replicas": {k: v for k, v in texts.items() if k.endswith("replicas")},
             "texts": {k: v for k, v in texts.items() if not k.endswith("replicas")}}
 
@@ -752,6 +752,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray-stop-force", action="store_true",
                     help="after stopping `serve run`, also run `ray stop --force` (kills EVERY Ray process here)")
     args = ap.parse_args(argv)
+    if args.tables is not None:
+        args.tables = ",".join(t.strip() for t in args.tables.split(",") if t.strip())
+        unknown = set(args.tables.split(",")) - {label for label, _ in APP_TABLES}
+        if unknown or not args.tables or args.quick:
+            ap.error(f"--tables takes labels of {', '.join(label for label, _ in APP_TABLES)} (not with --quick); "
+                     f"got {sorted(unknown) or args.tables!r}")
     RAY_STOP_FORCE = args.ray_stop_force
     res = Results(args.out, initial(args))
     res.save()

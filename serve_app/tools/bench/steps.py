@@ -12,8 +12,9 @@ The workload mixes what acceptance differs on: request i takes the chat prompts 
 even and the copy-heavy ones when odd, and every third request samples at temperature 1
 (seeded), the rest greedy. Each row gives tokens/s, latency percentiles and acceptance;
 ``vs_best_fixed`` is adaptive's tokens/s over the best fixed side's at that concurrency;
-``step_ms`` the median wall time of the side's decode steps by batch and draft length
-(``"batch,k"``: [steps, median ms]), so a plain step under ``adaptive`` can be set beside one
+``step_ms`` the median wall time of the side's decode steps by batch and the draft length
+chosen for the step (``"batch,k"``: [steps, median ms]; a request near its ``max_tokens``
+drafts fewer inside it), so a plain step under ``adaptive`` can be set beside one
 under ``fixed 0``, and the chooser's fitted cost (``meta.chooser``) beside what steps took.
 """
 
