@@ -29,7 +29,7 @@ import yaml
 from serve_app.serving.config import read_serve_config
 
 from .prompts import PROMPT_SETS, chat_messages
-from .stats import RequestTiming
+from .stats import RequestTiming, mean
 
 POLICIES = ("spec", "off", "dynamic", "two-level")
 """``spec``/``off``: a pinned num_steps; ``dynamic``: the cluster ladder, every engine drafting
@@ -283,9 +283,9 @@ class Poller:
         ran = [s[4] for s in window if s[4] is not None]
         return {
             "switches": (v1 - v0) if v0 is not None and v1 is not None else None,
-            "mean_load_per_replica": round(sum(s[2] for s in window) / len(window), 3) if window else None,
+            "mean_load_per_replica": mean([s[2] for s in window]),
             "mode_share": {k: round(v, 3) for k, v in sorted(share.items())},
-            "steps_ran": round(sum(ran) / len(ran), 3) if ran else None,
+            "steps_ran": mean(ran),
         }
 
 

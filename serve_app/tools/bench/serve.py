@@ -63,7 +63,7 @@ from .client import (
 from .engine import _f as f
 from .engine import _int_list
 from .prompts import PROMPT_SETS
-from .stats import RequestTiming, emit, summarize
+from .stats import RequestTiming, emit, mean, summarize
 
 HELP = "spec vs off vs dynamic over a concurrency sweep, through the HTTP serving stack"
 
@@ -224,9 +224,9 @@ def point_row(windows: list[Window]) -> dict:
         "windows": len(windows),
         "window_tokens_per_s": [round(w.tokens / w.measure_s, 3) for w in windows],
         "switches": None if None in switches else sum(switches),
-        "mean_load_per_replica": round(sum(loads) / len(loads), 3) if loads else None,
+        "mean_load_per_replica": mean(loads),
         "mode_share": {k: round(v, 3) for k, v in sorted(share.items())},
-        "steps_ran": round(sum(ran) / len(ran), 3) if ran else None,
+        "steps_ran": mean(ran),
     }
 
 

@@ -31,6 +31,11 @@ def percentile(values, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
+def mean(values) -> float | None:
+    """The mean of a list, to 3 decimals; None if empty (a window without samples)."""
+    return round(sum(values) / len(values), 3) if values else None
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
