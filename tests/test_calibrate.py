@@ -7,8 +7,9 @@ import yaml
 from pydantic import ValidationError
 
 from serve_app.control.config import PolicyConfig
+from serve_app.control.policy import raw_tier, target_tier
 from serve_app.serving.config import AppArgs
-from serve_app.tools.calibrate import crossover, derive_tiers, main, plain_crossovers
+from serve_app.tools.calibrate import crossover, derive_tiers, fit_margin, main, plain_crossovers
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -41,6 +42,16 @@ def test_without_a_crossover_the_ladder_says_so_in_its_bounds():
     assert derive_tiers(always_spec) == [{"below": 2, "num_steps": 4}, {"num_steps": 0}]  # past the sweep
     assert plain_crossovers(always_spec) == {"4": None}
     assert derive_tiers({4: {1: 20, 2: 30}, 0: {1: 30, 2: 40}}) == [{"num_steps": 0}]  # speculation never pays
+
+
+def test_the_margin_is_cut_to_a_quarter_of_the_narrowest_band_so_every_tier_stays_reachable():
+    ladder = [{"below": 2.0, "num_steps": 3}, {"below": 6.0, "num_steps": 1}, {"num_steps": 0}]
+    assert fit_margin(1.0, ladder) == 0.5  # 0..2 is the narrowest band
+    assert fit_margin(0.2, ladder) == 0.2  # a smaller margin stays
+    assert fit_margin(1.0, [{"num_steps": 0}]) == 1.0  # no boundary, nothing to cut
+    policy = PolicyConfig(tiers=ladder, margin=0.5, dwell_s=0, min_switch_interval_s=0, smoothing_s=0)
+    for load in (1.0, 4.0):  # the middle of each band gets its tier from the tiers on both sides
+        assert {target_tier(load, t, policy) for t in range(3)} == {raw_tier(load, policy)}
 
 
 def test_calibrate_sweeps_the_deployed_app_and_writes_a_policy_file_configs_include(tiny_app, tmp_path):

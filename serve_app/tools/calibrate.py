@@ -16,7 +16,10 @@ pooled as ``bench serve`` pools them, so a drift over a load weighs on every k a
 From the tokens/s table it builds the ladder: walking up the loads, a tier ends where a
 tier with fewer steps starts to win; the boundary is the crossover, interpolated linearly
 between the two loads around it. A speculative tier that never wins is left out. The policy
-file keeps the config's hysteresis (margin, dwell, intervals) and replaces the tiers.
+file keeps the config's dwell and intervals and replaces the tiers; it keeps the config's
+margin too, cut to a quarter of the ladder's narrowest band (from load 0 to the first
+boundary, or between two boundaries), so that the middle half of every band gets its tier
+from either side (a margin of 1.0 on a 3-step tier below 1.3 would hold 1 step down to 0.3).
 """
 
 from __future__ import annotations
@@ -99,6 +102,19 @@ def derive_tiers(tps: dict[int, dict[float, float]]) -> list[dict]:
     return [{"below": b, "num_steps": k} for k, b in zip(ladder[:-1], rounded, strict=True)] + [{"num_steps": 0}]
 
 
+MARGIN_SHARE = 0.25
+"""The most hysteresis a calibrated ladder keeps, as a share of its narrowest band."""
+
+
+def fit_margin(margin: float, tiers: list[dict]) -> float:
+    """``margin``, or a quarter of the narrowest band of ``tiers`` if that is smaller."""
+    edges = [0.0, *(t["below"] for t in tiers if t.get("below") is not None)]
+    if len(edges) < 2:
+        return margin
+    narrowest = min(b - a for a, b in zip(edges, edges[1:], strict=False))
+    return min(margin, round(MARGIN_SHARE * narrowest, 2))
+
+
 def plain_crossovers(tps: dict[int, dict[float, float]]) -> dict[str, float | None]:
     """Per speculative num_steps: the load where plain decoding overtakes it (None: it never does)."""
     out: dict[str, float | None] = {}
@@ -152,7 +168,8 @@ def calibrate(measured: dict, args: argparse.Namespace) -> dict:
     for r in measured["rows"]:
         tps.setdefault(r["num_steps"], {})[r["load_per_replica"]] = r["output_tokens_per_s"]
     tiers = derive_tiers(tps)
-    policy = PolicyConfig.model_validate(measured["policy"] | {"tiers": tiers})
+    margin = fit_margin(measured["policy"]["margin"], tiers)
+    policy = PolicyConfig.model_validate(measured["policy"] | {"tiers": tiers, "margin": margin})
     return {"tiers": tiers, "crossovers": plain_crossovers(tps), "policy": policy.model_dump()}
 
 
@@ -179,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         tps = {r["num_steps"]: r["output_tokens_per_s"] for r in measured["rows"] if r["load_per_replica"] == load}
         print(f"{load:>6g} " + " ".join(f"{tps[k]:>9.1f}" for k in steps))
     print(f"crossovers (plain overtakes k at load): {result['crossovers']}")
+    if result["policy"]["margin"] < measured["policy"]["margin"]:
+        print(f"margin {measured['policy']['margin']:g} cut to {result['policy']['margin']:g}: "
+              f"{MARGIN_SHARE:g} of the ladder's narrowest band")
     print(f"tiers: {result['tiers']}\nwrote {args.out}")
     if args.results:
         Path(args.results).write_text(json.dumps(result | {"command": command, "date": when}, indent=2))
