@@ -1,5 +1,6 @@
 """`python -m serve_app.tools.calibrate`: from a measured sweep to a policy file the configs include."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,7 @@ def test_the_margin_is_cut_to_a_quarter_of_the_narrowest_band_so_every_tier_stay
     assert fit_margin(1.0, ladder) == 0.5  # 0..2 is the narrowest band
     assert fit_margin(0.2, ladder) == 0.2  # a smaller margin stays
     assert fit_margin(1.0, [{"num_steps": 0}]) == 1.0  # no boundary, nothing to cut
+    assert fit_margin(1.0, [{"below": 1.3, "num_steps": 3}, {"num_steps": 0}]) == 0.33  # 0.325, two decimals
     policy = PolicyConfig(tiers=ladder, margin=0.5, dwell_s=0, min_switch_interval_s=0, smoothing_s=0)
     for load in (1.0, 4.0):  # the middle of each band gets its tier from the tiers on both sides
         assert {target_tier(load, t, policy) for t in range(3)} == {raw_tier(load, policy)}
@@ -64,7 +66,7 @@ def test_calibrate_sweeps_the_deployed_app_and_writes_a_policy_file_configs_incl
 
     written = yaml.safe_load(policy_file.read_text())
     assert written["tiers"][-1] == {"below": None, "num_steps": 0}
-    assert written["margin"] == tiny_app.args["policy"]["margin"]  # hysteresis kept from the app's policy
+    assert written["margin"] == fit_margin(tiny_app.args["policy"]["margin"], written["tiers"])  # the app's, capped
     assert policy_file.read_text().startswith("# Written by `python -m serve_app.tools.calibrate")
     args = AppArgs.model_validate({"policy_file": str(policy_file)})
     assert args.policy.model_dump() == written
@@ -94,3 +96,24 @@ def test_policy_fields_in_the_config_override_the_policy_file(tmp_path, monkeypa
     assert args.policy.bounds == [3] and args.policy.margin == 0.25
     with pytest.raises(ValidationError, match="policy_file: nowhere.yaml not found"):
         AppArgs.model_validate({"policy_file": "nowhere.yaml"})
+
+
+def test_the_shipped_ladder_is_what_its_stored_measurements_give(tmp_path, capsys):
+    """configs/policies/local.yaml comes from bench/results/calibration.json through --from-results."""
+    out, results = tmp_path / "p.yaml", tmp_path / "c.json"
+    root = CONFIGS.parent
+    assert main(["--from-results", str(root / "bench/results/calibration.json"), "--out", str(out),
+                 "--results", str(results)]) == 0
+    assert yaml.safe_load(out.read_text()) == yaml.safe_load((CONFIGS / "policies" / "local.yaml").read_text())
+    header = out.read_text().splitlines()[1]
+    assert header.startswith("# from the measurements of `python -m serve_app.tools.calibrate --config")
+    stored = json.loads(results.read_text())
+    assert stored["measured_by"].startswith("python -m serve_app.tools.calibrate --config") and stored["measurements"]
+
+
+def test_from_results_refuses_a_file_without_measurements(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        main(["--from-results", str(bad), "--out", str(tmp_path / "p.yaml")])
+    assert exc.value.code == 2 and "not a calibrate --results file" in capsys.readouterr().err

@@ -3,6 +3,9 @@ tier on this hardware and model, and write the ladder as a policy file configs i
 
     python -m serve_app.tools.calibrate --config configs/local.yaml --out configs/policies/local.yaml
 
+``--from-results FILE`` derives the ladder again from the measurements a ``--results`` file
+keeps, without measuring: the file it writes records both commands.
+
 It sweeps the deployed application (the same stack and replica count that will serve, so
 the loads are the controller's own unit: waiting + running per replica): for each load per
 replica L and each num_steps k (the config's ladder, 0 included), ``bench serve``'s closed
@@ -18,7 +21,7 @@ tier with fewer steps starts to win; the boundary is the crossover, interpolated
 between the two loads around it. A speculative tier that never wins is left out. The policy
 file keeps the config's dwell and intervals and replaces the tiers; it keeps the config's
 margin too, cut to a quarter of the ladder's narrowest band (from load 0 to the first
-boundary, or between two boundaries), so that the middle half of every band gets its tier
+boundary, or between two boundaries; rounded to two decimals), so that the middle half of every band gets its tier
 from either side (a margin of 1.0 on a 3-step tier below 1.3 would hold 1 step down to 0.3).
 """
 
@@ -69,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
                         "under plain decoding, which flatters it against traffic that arrives spread out)")
     p.add_argument("--out", default="configs/policies/local.yaml", help="the policy file to write")
     p.add_argument("--results", default=None, help="also write the measurements as JSON here")
+    p.add_argument("--from-results", metavar="FILE", default=None,
+                   help="derive the ladder from the measurements in FILE (an earlier --results) instead of "
+                        "measuring; the target and sweep options are then unused")
     return p
 
 
@@ -180,12 +186,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.stagger_s < 0:
         parser().error("--stagger-s must be >= 0")
     t0 = time.monotonic()
-    measured = run_against_target(args, lambda target: measure(target, args))
-    result = calibrate(measured, args) | {"measurements": measured}
     command = " ".join(["python -m serve_app.tools.calibrate", *(sys.argv[1:] if argv is None else argv)])
     when = datetime.now(UTC).isoformat(timespec="seconds")
-    header = (f"Written by `{command}` on {when}\n({measured['model']}, {measured['replicas']} replicas, "
-              f"{time.monotonic() - t0:.0f} s). Load = waiting + running per replica.\n"
+    if args.from_results:
+        try:
+            stored = json.loads(Path(args.from_results).read_text())
+            measured = stored["measurements"]
+        except (OSError, ValueError, KeyError) as e:
+            parser().error(f"--from-results {args.from_results}: not a calibrate --results file ({e})")
+        measured_by, measured_on = stored.get("measured_by", stored["command"]), stored.get("measured_on", stored["date"])
+        source = f"from the measurements of `{measured_by}` on {measured_on}\n({measured['model']}, "
+    else:
+        measured = run_against_target(args, lambda target: measure(target, args))
+        measured_by, measured_on = command, when
+        source = f"({measured['model']}, {time.monotonic() - t0:.0f} s, "
+    result = calibrate(measured, args) | {"measurements": measured}
+    header = (f"Written by `{command}` on {when}\n{source}{measured['replicas']} replicas). "
+              "Load = waiting + running per replica.\n"
               f"Plain decoding overtakes num_steps k at load: {result['crossovers']}\n"
               "Re-run the command to recalibrate; edit by hand at your own risk.")
     write_policy_file(args.out, PolicyConfig.model_validate(result["policy"]), header)
@@ -201,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{MARGIN_SHARE:g} of the ladder's narrowest band")
     print(f"tiers: {result['tiers']}\nwrote {args.out}")
     if args.results:
-        Path(args.results).write_text(json.dumps(result | {"command": command, "date": when}, indent=2))
+        Path(args.results).write_text(json.dumps(result | {"command": command, "date": when, "measured_by": measured_by,
+                                                           "measured_on": measured_on}, indent=2))
         print(f"wrote {args.results}")
     return 0
 
