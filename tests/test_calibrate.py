@@ -98,7 +98,7 @@ def test_policy_fields_in_the_config_override_the_policy_file(tmp_path, monkeypa
         AppArgs.model_validate({"policy_file": "nowhere.yaml"})
 
 
-def test_the_shipped_ladder_is_what_its_stored_measurements_give(tmp_path, capsys):
+def test_the_shipped_ladder_is_what_its_stored_measurements_give(tmp_path):
     """configs/policies/local.yaml comes from bench/results/calibration.json through --from-results."""
     out, results = tmp_path / "p.yaml", tmp_path / "c.json"
     root = CONFIGS.parent
@@ -113,7 +113,8 @@ def test_the_shipped_ladder_is_what_its_stored_measurements_give(tmp_path, capsy
 
 def test_from_results_refuses_a_file_without_measurements(tmp_path, capsys):
     bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    with pytest.raises(SystemExit) as exc:
-        main(["--from-results", str(bad), "--out", str(tmp_path / "p.yaml")])
-    assert exc.value.code == 2 and "not a calibrate --results file" in capsys.readouterr().err
+    for text in ("{}", '{"measurements": {"rows": []}}', "not json"):  # no measurements; no command; not JSON
+        bad.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            main(["--from-results", str(bad), "--out", str(tmp_path / "p.yaml")])
+        assert exc.value.code == 2 and "not a calibrate --results file" in capsys.readouterr().err

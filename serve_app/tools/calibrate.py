@@ -21,8 +21,9 @@ tier with fewer steps starts to win; the boundary is the crossover, interpolated
 between the two loads around it. A speculative tier that never wins is left out. The policy
 file keeps the config's dwell and intervals and replaces the tiers; it keeps the config's
 margin too, cut to a quarter of the ladder's narrowest band (from load 0 to the first
-boundary, or between two boundaries; rounded to two decimals), so that the middle half of every band gets its tier
-from either side (a margin of 1.0 on a 3-step tier below 1.3 would hold 1 step down to 0.3).
+boundary, or between two boundaries; rounded to two decimals), so that the middle half of
+every band gets its tier from either side (a margin of 1.0 on a 3-step tier below 1.3 would
+hold 1 step down to 0.3).
 """
 
 from __future__ import annotations
@@ -192,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stored = json.loads(Path(args.from_results).read_text())
             measured = stored["measurements"]
+            measured_by, measured_on = stored.get("measured_by", stored["command"]), stored.get("measured_on", stored["date"])
         except (OSError, ValueError, KeyError) as e:
             parser().error(f"--from-results {args.from_results}: not a calibrate --results file ({e})")
-        measured_by, measured_on = stored.get("measured_by", stored["command"]), stored.get("measured_on", stored["date"])
         source = f"from the measurements of `{measured_by}` on {measured_on}\n({measured['model']}, "
     else:
         measured = run_against_target(args, lambda target: measure(target, args))
