@@ -47,10 +47,10 @@ def test_without_a_crossover_the_ladder_says_so_in_its_bounds():
 
 def test_the_margin_is_cut_to_a_quarter_of_the_narrowest_band_so_every_tier_stays_reachable():
     ladder = [{"below": 2.0, "num_steps": 3}, {"below": 6.0, "num_steps": 1}, {"num_steps": 0}]
-    assert fit_margin(1.0, ladder) == 0.5  # 0..2 is the narrowest band
-    assert fit_margin(0.2, ladder) == 0.2  # a smaller margin stays
-    assert fit_margin(1.0, [{"num_steps": 0}]) == 1.0  # no boundary, nothing to cut
-    assert fit_margin(1.0, [{"below": 1.3, "num_steps": 3}, {"num_steps": 0}]) == 0.33  # 0.325, two decimals
+    assert fit_margin(1.0, [2.0, 6.0]) == 0.5  # 0..2 is the narrowest band
+    assert fit_margin(0.2, [2.0, 6.0]) == 0.2  # a smaller margin stays
+    assert fit_margin(1.0, []) == 1.0  # no boundary, nothing to cut
+    assert fit_margin(1.0, [1.3]) == 0.33  # 0.325, two decimals
     policy = PolicyConfig(tiers=ladder, margin=0.5, dwell_s=0, min_switch_interval_s=0, smoothing_s=0)
     for load in (1.0, 4.0):  # the middle of each band gets its tier from the tiers on both sides
         assert {target_tier(load, t, policy) for t in range(3)} == {raw_tier(load, policy)}
@@ -66,7 +66,8 @@ def test_calibrate_sweeps_the_deployed_app_and_writes_a_policy_file_configs_incl
 
     written = yaml.safe_load(policy_file.read_text())
     assert written["tiers"][-1] == {"below": None, "num_steps": 0}
-    assert written["margin"] == fit_margin(tiny_app.args["policy"]["margin"], written["tiers"])  # the app's, capped
+    capped = fit_margin(tiny_app.args["policy"]["margin"], PolicyConfig.model_validate(written).bounds)
+    assert written["margin"] == capped  # the app's margin, capped
     assert policy_file.read_text().startswith("# Written by `python -m serve_app.tools.calibrate")
     args = AppArgs.model_validate({"policy_file": str(policy_file)})
     assert args.policy.model_dump() == written

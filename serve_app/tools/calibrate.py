@@ -113,11 +113,12 @@ MARGIN_SHARE = 0.25
 """The most hysteresis a calibrated ladder keeps, as a share of its narrowest band."""
 
 
-def fit_margin(margin: float, tiers: list[dict]) -> float:
-    """``margin``, or a quarter of the narrowest band of ``tiers`` if that is smaller."""
-    edges = [0.0, *(t["below"] for t in tiers if t.get("below") is not None)]
-    if len(edges) < 2:
+def fit_margin(margin: float, bounds: list[float]) -> float:
+    """``margin``, or a quarter of the narrowest band between 0 and ``bounds`` (a ladder's
+    ``PolicyConfig.bounds``) if that is smaller."""
+    if not bounds:
         return margin
+    edges = [0.0, *bounds]
     narrowest = min(b - a for a, b in zip(edges, edges[1:], strict=False))
     return min(margin, round(MARGIN_SHARE * narrowest, 2))
 
@@ -175,8 +176,8 @@ def calibrate(measured: dict, args: argparse.Namespace) -> dict:
     for r in measured["rows"]:
         tps.setdefault(r["num_steps"], {})[r["load_per_replica"]] = r["output_tokens_per_s"]
     tiers = derive_tiers(tps)
-    margin = fit_margin(measured["policy"]["margin"], tiers)
-    policy = PolicyConfig.model_validate(measured["policy"] | {"tiers": tiers, "margin": margin})
+    policy = PolicyConfig.model_validate(measured["policy"] | {"tiers": tiers})
+    policy = policy.model_copy(update={"margin": fit_margin(policy.margin, policy.bounds)})
     return {"tiers": tiers, "crossovers": plain_crossovers(tps), "policy": policy.model_dump()}
 
 
