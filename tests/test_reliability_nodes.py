@@ -45,7 +45,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
         "--clients",
         "4",
         "--max-tokens",
-        "24",
+        "48",
         "--replace-after-s",
         "3",
         "--out",
