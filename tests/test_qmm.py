@@ -255,8 +255,10 @@ def test_gguf_q8_0_tensors_give_exactly_ggufs_own_dequantization():
 
 # ---- attention ----
 
-ATTENTION_SHAPES = [(9, 3, 64), (4, 1, 24)]  # SmolLM2's heads (vectorised dots); one KV head, D % 16 != 0
-LENGTH = 24
+# SmolLM2's heads (D = 64: a KV head's queries in groups, scores 16 keys at a time); 4 query heads a KV
+# head (8 queries of a verify block: more than a group); one KV head, D % 16 != 0 (row by row).
+ATTENTION_SHAPES = [(9, 3, 64), (8, 2, 64), (4, 1, 24)]
+LENGTH = 64
 
 
 def _rope_tables(length: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,7 +307,7 @@ def test_attention_matches_rope_and_causal_softmax_attention_in_float64(path, he
     k_cache = torch.randn(5, kv_heads, LENGTH, d, generator=g)  # earlier keys and values of every slot
     v_cache = torch.randn(5, kv_heads, LENGTH, d, generator=g)
     qkv = torch.randn(3, 4, (heads + 2 * kv_heads) * d, generator=g) * 2
-    pos = torch.tensor([[0, 1, 2, 3], [9, 10, 11, 12], [19, 20, 21, 22]])
+    pos = torch.tensor([[0, 1, 2, 3], [13, 14, 15, 16], [46, 47, 48, 49]])  # 1 to 50 keys: whole blocks of 16 and not
     expected = _reference_attention(qkv, pos, heads, kv_heads, cos, sin, k_cache, v_cache, slot0=1)
     out = qmm.attention(qkv, pos, heads, kv_heads, cos, sin, k_cache, v_cache, 1)
     assert out.shape == (3, 4, heads * d) and out.dtype == torch.float32
@@ -361,7 +363,7 @@ def test_an_attention_row_has_the_same_bits_alone_in_a_block_and_in_a_batch(path
     sequences (at other positions, in other slots) give each position the same bits."""
     g = torch.Generator().manual_seed(d + 2)
     cos, sin = _rope_tables(LENGTH, d)
-    width, steps, p0 = (heads + 2 * kv_heads) * d, 12, 7
+    width, steps, p0 = (heads + 2 * kv_heads) * d, 36, 29  # the verify block's keys cross 32
     seq = torch.randn(steps, width, generator=g)
 
     def caches(fill: bool):
@@ -386,7 +388,7 @@ def test_an_attention_row_has_the_same_bits_alone_in_a_block_and_in_a_batch(path
     qmm.attention(seq[:p0][None], torch.arange(p0)[None], heads, kv_heads, cos, sin, k3, v3, 2)
     batch = torch.randn(3, 4, width, generator=g)
     batch[1] = seq[p0:p0 + 4]
-    pos = torch.stack([torch.arange(3, 7), torch.arange(p0, p0 + 4), torch.arange(15, 19)])
+    pos = torch.stack([torch.arange(3, 7), torch.arange(p0, p0 + 4), torch.arange(50, 54)])
     out = qmm.attention(batch, pos, heads, kv_heads, cos, sin, k3, v3, 1)
     assert torch.equal(out[1], alone[p0:p0 + 4]), "a verify block differs among other sequences"
 

@@ -443,11 +443,11 @@ static inline v16 max16(v16 a, v16 b) {
 /* e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r, |r| <= ln2 / 2,
    e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n; 0 below -87. */
 static inline v16 exp16(v16 x) {
-    v16 n, out;
-    for (int j = 0; j < 16; j++) {
-        x[j] = x[j] < -87.0f ? -87.0f : x[j];
-        n[j] = nearbyintf(x[j] * 1.44269504f);
-    }
+    const v16 lo = (v16){0} - 87.0f, shifter = (v16){0} + 12582912.0f; /* 1.5 * 2^23 */
+    const i16v low = x < lo; /* -1 where x < -87 */
+    x = (v16)((low & (i16v)lo) | (~low & (i16v)x));
+    /* x * log2(e) rounded to the nearest integer, ties to even (as nearbyintf): |x * log2(e)| < 126 */
+    const v16 n = (x * 1.44269504f + shifter) - shifter;
     const v16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
     v16 p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
@@ -455,12 +455,8 @@ static inline v16 exp16(v16 x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    i16v bits;
-    memcpy(&bits, &p, sizeof bits);
-    for (int j = 0; j < 16; j++) bits[j] += (int32_t)n[j] << 23;
-    memcpy(&out, &bits, sizeof out);
-    for (int j = 0; j < 16; j++) out[j] = x[j] <= -87.0f ? 0.0f : out[j];
-    return out;
+    const i16v bits = (i16v)p + (__builtin_convertvector(n, i16v) << 23);
+    return (v16)(~(x <= lo) & bits); /* 0 at -87 and below */
 }
 
 /* x * cos + rotate_half(x) * sin over one head of D values (the halves layout). */
@@ -472,6 +468,236 @@ static void rope_head(const float *x, const float *c, const float *s, int64_t D,
     }
 }
 
+/* scores[0 .. nk) -> their exponentials minus the maximum, in place, summed in chunks of 16 from key 0
+   (past the last key: e = 0, scores padded with -inf up to a multiple of 16); returns 1 / the sum. */
+static inline float softmax_exp(float *scores, int64_t nk) {
+    const int64_t padded = (nk + 15) / 16 * 16;
+    for (int64_t l = nk; l < padded; l++) scores[l] = -INFINITY;
+    v16 mv = load16(scores);
+    for (int64_t l = 16; l < padded; l += 16) mv = max16(mv, load16(scores + l));
+    float mx = mv[0];
+    for (int j = 1; j < 16; j++) mx = mv[j] > mx ? mv[j] : mx;
+    v16 tv = (v16){0};
+    for (int64_t l = 0; l < padded; l += 16) {
+        const v16 e = exp16(load16(scores + l) - mx);
+        store16(scores + l, e);
+        tv = tv + e;
+    }
+    return 1.0f / sum16(tv);
+}
+
+#define GQ 6 /* queries of one KV head that share each load of its keys and values (D = 64) */
+
+#ifdef QMM_AVX512
+/* 16 vectors -> the 16 sums of their lanes, in order, by a fixed tree: lanes i and i + 8 added,
+   then i and i + 4, i and i + 2, i and i + 1, each step pairing two vectors' halves. */
+static inline __m512 reduce16(__m512 a[16]) {
+    const __m512i s1a = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i s1b = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const __m512i s2a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i s2b = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i s3a = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    const __m512i s3b = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    const __m512i s4a = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    const __m512i s4b = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    __m512 t[8], u[4], w[2];
+    for (int k = 0; k < 8; k++) /* lanes 0-7: key k's 8 partial sums, 8-15: key k + 8's */
+        t[k] = _mm512_add_ps(_mm512_permutex2var_ps(a[k], s1a, a[k + 8]), _mm512_permutex2var_ps(a[k], s1b, a[k + 8]));
+    for (int k = 0; k < 4; k++) /* 4 lanes each: keys k, k + 4, k + 8, k + 12 */
+        u[k] = _mm512_add_ps(_mm512_permutex2var_ps(t[k], s2a, t[k + 4]), _mm512_permutex2var_ps(t[k], s2b, t[k + 4]));
+    for (int k = 0; k < 2; k++) /* 2 lanes each: keys k, k + 2, ..., k + 14 */
+        w[k] = _mm512_add_ps(_mm512_permutex2var_ps(u[k], s3a, u[k + 2]), _mm512_permutex2var_ps(u[k], s3b, u[k + 2]));
+    return _mm512_add_ps(_mm512_permutex2var_ps(w[0], s4a, w[1]), _mm512_permutex2var_ps(w[0], s4b, w[1]));
+}
+
+/* One query's score against one key: explicit FMAs over the 4 quarters, then its lanes summed. */
+static inline __m512 qk_lanes(const __m512 *qv, const float *k) {
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    acc = _mm512_fmadd_ps(qv[1], _mm512_loadu_ps(k + 16), acc);
+    acc = _mm512_fmadd_ps(qv[2], _mm512_loadu_ps(k + 32), acc);
+    return _mm512_fmadd_ps(qv[3], _mm512_loadu_ps(k + 48), acc);
+}
+
+/* D = 64 on AVX512: n (<= GQ) queries q[t] (scaled, roped) attending to the keys 0 .. nk[t] - 1 of
+   one KV head (k, v: [length, 64]); scratch: n rows of `stride` scores. A query's scores come 16
+   keys at a time (reduce16) over the whole blocks of 16 below nk[t], key by key after, so each is
+   fixed by the query, the keys and nk[t]; the queries only share the loads of the values. */
+static inline __attribute__((always_inline)) void attend64(
+        int n, const float *const *q, const int64_t *nk, const float *k, const float *v, float *scratch,
+        int64_t stride, float *const *out) {
+    int64_t most = 0, whole[GQ];
+    __m512 qv[GQ][4];
+    float inv[GQ];
+    _Pragma("GCC unroll 6")
+    for (int t = 0; t < n; t++) {
+        for (int j = 0; j < 4; j++) qv[t][j] = _mm512_loadu_ps(q[t] + 16 * j);
+        whole[t] = nk[t] / 16 * 16;
+        most = nk[t] > most ? nk[t] : most;
+    }
+    for (int64_t l = 0; l + 16 <= most; l += 16) /* a block of keys stays in L1 for every query */
+        _Pragma("GCC unroll 6")
+        for (int t = 0; t < n; t++)
+            if (l < whole[t]) {
+                __m512 acc[16];
+                for (int kk = 0; kk < 16; kk++) acc[kk] = qk_lanes(qv[t], k + (l + kk) * 64);
+                _mm512_storeu_ps(scratch + t * stride + l, reduce16(acc));
+            }
+    _Pragma("GCC unroll 6")
+    for (int t = 0; t < n; t++) {
+        float *sc = scratch + t * stride;
+        for (int64_t l = whole[t]; l < nk[t]; l++) sc[l] = _mm512_reduce_add_ps(qk_lanes(qv[t], k + l * 64));
+        inv[t] = softmax_exp(sc, nk[t]);
+    }
+    __m512 o[GQ][4];
+    _Pragma("GCC unroll 6")
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < 4; j++) o[t][j] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < most; l++) {
+        const __m512 v0 = _mm512_loadu_ps(v + l * 64), v1 = _mm512_loadu_ps(v + l * 64 + 16),
+                     v2 = _mm512_loadu_ps(v + l * 64 + 32), v3 = _mm512_loadu_ps(v + l * 64 + 48);
+        _Pragma("GCC unroll 6")
+        for (int t = 0; t < n; t++)
+            if (l < nk[t]) {
+                const __m512 e = _mm512_set1_ps(scratch[t * stride + l]);
+                o[t][0] = _mm512_fmadd_ps(e, v0, o[t][0]);
+                o[t][1] = _mm512_fmadd_ps(e, v1, o[t][1]);
+                o[t][2] = _mm512_fmadd_ps(e, v2, o[t][2]);
+                o[t][3] = _mm512_fmadd_ps(e, v3, o[t][3]);
+            }
+    }
+    _Pragma("GCC unroll 6")
+    for (int t = 0; t < n; t++) {
+        const __m512 s = _mm512_set1_ps(inv[t]);
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out[t] + 16 * j, _mm512_mul_ps(o[t][j], s));
+    }
+}
+#else
+/* D = 64: n (<= GQ) queries q[t] (scaled, roped) attending to the keys 0 .. nk[t] - 1 of one KV
+   head (k, v: [length, 64]); scratch: n rows of `stride` scores. Each query's arithmetic is that
+   of attending alone: the queries only share the loads. */
+static inline __attribute__((always_inline)) void attend64(
+        int n, const float *const *q, const int64_t *nk, const float *k, const float *v, float *scratch,
+        int64_t stride, float *const *out) {
+    v16 qv[GQ][4];
+    int64_t most = 0;
+    _Pragma("GCC unroll 6")
+    for (int t = 0; t < n; t++) {
+        for (int j = 0; j < 4; j++) qv[t][j] = load16(q[t] + 16 * j);
+        most = nk[t] > most ? nk[t] : most;
+    }
+    for (int64_t l = 0; l < most; l++) {
+        const v16 k0 = load16(k + l * 64), k1 = load16(k + l * 64 + 16), k2 = load16(k + l * 64 + 32),
+                  k3 = load16(k + l * 64 + 48);
+        _Pragma("GCC unroll 6")
+        for (int t = 0; t < n; t++)
+            if (l < nk[t])
+                scratch[t * stride + l] = sum16(((qv[t][0] * k0 + qv[t][1] * k1) + qv[t][2] * k2) + qv[t][3] * k3);
+    }
+    float inv[GQ];
+    _Pragma("GCC unroll 6")
+    for (int t = 0; t < n; t++) inv[t] = softmax_exp(scratch + t * stride, nk[t]);
+    v16 o[GQ][4];
+    _Pragma("GCC unroll 6")
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < 4; j++) o[t][j] = (v16){0};
+    for (int64_t l = 0; l < most; l++) {
+        const v16 v0 = load16(v + l * 64), v1 = load16(v + l * 64 + 16), v2 = load16(v + l * 64 + 32),
+                  v3 = load16(v + l * 64 + 48);
+        _Pragma("GCC unroll 6")
+        for (int t = 0; t < n; t++)
+            if (l < nk[t]) {
+                const float e = scratch[t * stride + l];
+                o[t][0] = o[t][0] + e * v0;
+                o[t][1] = o[t][1] + e * v1;
+                o[t][2] = o[t][2] + e * v2;
+                o[t][3] = o[t][3] + e * v3;
+            }
+    }
+    _Pragma("GCC unroll 6")
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < 4; j++) store16(out[t] + 16 * j, o[t][j] * inv[t]);
+}
+
+#endif
+
+/* D = 64 (SmolLM2's head size): the Q rows x G heads of each sequence's KV head attend in groups of
+   up to GQ queries. Returns -1 when there is no memory for the scores. */
+static int attend_grouped(const float *qr, const int64_t *pos, int64_t B, int64_t Q, int64_t H, int64_t KV,
+                          const float *kc, const float *vc, int64_t slot0, const int64_t *slots, int64_t length,
+                          int64_t maxpos, float *out) {
+    const int64_t D = 64, G = H / KV, NQ = Q * G, stride = maxpos + 17;
+    float *scratch = malloc(sizeof(float) * (size_t)(GQ * stride));
+    if (!scratch) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t slot = slots ? slots[b] : slot0 + b;
+        for (int64_t g = 0; g < KV; g++) {
+            const float *kh = kc + (slot * KV + g) * length * D, *vh = vc + (slot * KV + g) * length * D;
+            for (int64_t t0 = 0; t0 < NQ; t0 += GQ) {
+                const float *qs[GQ];
+                float *os[GQ];
+                int64_t nks[GQ];
+                const int n = NQ - t0 < GQ ? (int)(NQ - t0) : GQ;
+                for (int t = 0; t < n; t++) { /* query t0 + t: row (t0 + t) / G of the sequence, head (t0 + t) % G of the group */
+                    const int64_t r = b * Q + (t0 + t) / G, h = g * G + (t0 + t) % G;
+                    qs[t] = qr + (r * H + h) * D;
+                    os[t] = out + (r * H + h) * D;
+                    nks[t] = pos[r] + 1;
+                }
+                switch (n) { /* a constant n for each, so that the queries' vectors stay in registers */
+                case 1: attend64(1, qs, nks, kh, vh, scratch, stride, os); break;
+                case 2: attend64(2, qs, nks, kh, vh, scratch, stride, os); break;
+                case 3: attend64(3, qs, nks, kh, vh, scratch, stride, os); break;
+                case 4: attend64(4, qs, nks, kh, vh, scratch, stride, os); break;
+                case 5: attend64(5, qs, nks, kh, vh, scratch, stride, os); break;
+                default: attend64(GQ, qs, nks, kh, vh, scratch, stride, os); break;
+                }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* Any other head size: row by row, head by head. */
+static int attend_rows(const float *qr, float *scores, const int64_t *pos, int64_t B, int64_t Q, int64_t H,
+                       int64_t KV, int64_t D, const float *kc, const float *vc, int64_t slot0, const int64_t *slots,
+                       int64_t length, float *out) {
+    const int64_t G = H / KV;
+    const int vec = D % 16 == 0;
+    for (int64_t r = 0; r < B * Q; r++) {
+        const int64_t slot = slots ? slots[r / Q] : slot0 + r / Q, nk = pos[r] + 1;
+        for (int64_t h = 0; h < H; h++) {
+            const float *qh = qr + (r * H + h) * D;
+            const float *kh = kc + (slot * KV + h / G) * length * D, *vh = vc + (slot * KV + h / G) * length * D;
+            for (int64_t l = 0; l < nk; l++) {
+                float dot;
+                if (vec) {
+                    v16 acc = load16(qh) * load16(kh + l * D);
+                    for (int64_t j = 16; j < D; j += 16) acc = acc + load16(qh + j) * load16(kh + l * D + j);
+                    dot = sum16(acc);
+                } else {
+                    dot = 0.0f;
+                    for (int64_t j = 0; j < D; j++) dot += qh[j] * kh[l * D + j];
+                }
+                scores[l] = dot;
+            }
+            const float inv = softmax_exp(scores, nk);
+            float *o = out + (r * H + h) * D;
+            memset(o, 0, sizeof(float) * (size_t)D);
+            for (int64_t l = 0; l < nk; l++) {
+                const float e = scores[l];
+                if (vec) {
+                    for (int64_t j = 0; j < D; j += 16) store16(o + j, load16(o + j) + e * load16(vh + l * D + j));
+                } else {
+                    for (int64_t j = 0; j < D; j++) o[j] += e * vh[l * D + j];
+                }
+            }
+            for (int64_t j = 0; j < D; j++) o[j] *= inv;
+        }
+    }
+    return 0;
+}
+
 /* qkv [R, (H + 2 KV) * D] for R = B * Q rows (sequence b's Q positions pos[b * Q + i], in slot
    slots[b] of the caches kc, vc [slots, KV, length, D], or slot0 + b when slots is NULL)
    -> out [R, H * D]. Keys and values of
@@ -480,7 +706,7 @@ static void rope_head(const float *x, const float *c, const float *s, int64_t D,
 int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, int64_t H, int64_t KV, int64_t D,
                   const float *cos, const float *sin, float *kc, float *vc, int64_t slot0, const int64_t *slots,
                   int64_t length, float *out) {
-    const int64_t R = B * Q, W = (H + 2 * KV) * D, G = H / KV;
+    const int64_t R = B * Q, W = (H + 2 * KV) * D;
     const float scale = 1.0f / sqrtf((float)D);
     int64_t maxpos = 0;
     for (int64_t r = 0; r < R; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
@@ -500,74 +726,9 @@ int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, in
             memcpy(vc + at, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
         }
     }
-    const int vec = D % 16 == 0;
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t p = pos[r], slot = slots ? slots[r / Q] : slot0 + r / Q, nk = p + 1;
-        for (int64_t h = 0; h < H; h++) {
-            const float *qh = qr + (r * H + h) * D;
-            const float *kh = kc + (slot * KV + h / G) * length * D, *vh = vc + (slot * KV + h / G) * length * D;
-            if (D == 64) { /* SmolLM2's head size: the query and the output in registers */
-                const v16 q0 = load16(qh), q1 = load16(qh + 16), q2 = load16(qh + 32), q3 = load16(qh + 48);
-                for (int64_t l = 0; l < nk; l++) {
-                    const float *k = kh + l * 64;
-                    scores[l] = sum16(((q0 * load16(k) + q1 * load16(k + 16)) + q2 * load16(k + 32)) + q3 * load16(k + 48));
-                }
-            }
-            for (int64_t l = 0; l < nk && D != 64; l++) {
-                float dot;
-                if (vec) {
-                    v16 acc = load16(qh) * load16(kh + l * D);
-                    for (int64_t j = 16; j < D; j += 16) acc = acc + load16(qh + j) * load16(kh + l * D + j);
-                    dot = sum16(acc);
-                } else {
-                    dot = 0.0f;
-                    for (int64_t j = 0; j < D; j++) dot += qh[j] * kh[l * D + j];
-                }
-                scores[l] = dot;
-            }
-            /* softmax over the keys in chunks of 16 from key 0; past the last key: e = 0 */
-            const int64_t padded = (nk + 15) / 16 * 16;
-            for (int64_t l = nk; l < padded; l++) scores[l] = -INFINITY;
-            v16 mv = load16(scores);
-            for (int64_t l = 16; l < padded; l += 16) mv = max16(mv, load16(scores + l));
-            float mx = mv[0];
-            for (int j = 1; j < 16; j++) mx = mv[j] > mx ? mv[j] : mx;
-            v16 tv = (v16){0};
-            for (int64_t l = 0; l < padded; l += 16) {
-                const v16 e = exp16(load16(scores + l) - mx);
-                store16(scores + l, e);
-                tv = tv + e;
-            }
-            const float total = sum16(tv);
-            float *o = out + (r * H + h) * D;
-            const float inv = 1.0f / total;
-            if (D == 64) {
-                v16 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
-                for (int64_t l = 0; l < nk; l++) {
-                    const float e = scores[l], *v = vh + l * 64;
-                    o0 = o0 + e * load16(v);
-                    o1 = o1 + e * load16(v + 16);
-                    o2 = o2 + e * load16(v + 32);
-                    o3 = o3 + e * load16(v + 48);
-                }
-                store16(o, o0 * inv);
-                store16(o + 16, o1 * inv);
-                store16(o + 32, o2 * inv);
-                store16(o + 48, o3 * inv);
-                continue;
-            }
-            memset(o, 0, sizeof(float) * (size_t)D);
-            for (int64_t l = 0; l < nk; l++) {
-                const float e = scores[l];
-                if (vec) {
-                    for (int64_t j = 0; j < D; j += 16) store16(o + j, load16(o + j) + e * load16(vh + l * D + j));
-                } else {
-                    for (int64_t j = 0; j < D; j++) o[j] += e * vh[l * D + j];
-                }
-            }
-            for (int64_t j = 0; j < D; j++) o[j] *= inv;
-        }
-    }
+    const int failed = D == 64 ? attend_grouped(qr, pos, B, Q, H, KV, kc, vc, slot0, slots, length, maxpos, out)
+                               : attend_rows(qr, scores, pos, B, Q, H, KV, D, kc, vc, slot0, slots, length, out);
     free(qr);
-    return 0;
+    return failed;
 }
+
