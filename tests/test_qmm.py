@@ -257,7 +257,8 @@ def test_gguf_q8_0_tensors_give_exactly_ggufs_own_dequantization():
 
 # SmolLM2's heads (D = 64: a KV head's queries in groups, scores 16 keys at a time); 4 query heads a KV
 # head (8 queries of a verify block: more than a group); one KV head, D % 16 != 0 (row by row).
-ATTENTION_SHAPES = [(9, 3, 64), (8, 2, 64), (4, 1, 24)]
+# 7 query heads a KV head: one position's heads split across groups of 6, groups of 1 and 5.
+ATTENTION_SHAPES = [(9, 3, 64), (8, 2, 64), (7, 1, 64), (4, 1, 24)]
 LENGTH = 64
 
 
@@ -370,7 +371,8 @@ def test_an_attention_row_has_the_same_bits_alone_in_a_block_and_in_a_batch(path
         shape = (5, kv_heads, LENGTH, d)
         if fill:
             return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-        return torch.zeros(shape), torch.zeros(shape)
+        # Positions not yet written hold NaN: a row that read past its own keys would show it.
+        return torch.full(shape, float("nan")), torch.full(shape, float("nan"))
 
     k1, v1 = caches(False)
     alone = torch.stack([
@@ -391,6 +393,15 @@ def test_an_attention_row_has_the_same_bits_alone_in_a_block_and_in_a_batch(path
     pos = torch.stack([torch.arange(3, 7), torch.arange(p0, p0 + 4), torch.arange(50, 54)])
     out = qmm.attention(batch, pos, heads, kv_heads, cos, sin, k3, v3, 1)
     assert torch.equal(out[1], alone[p0:p0 + 4]), "a verify block differs among other sequences"
+
+
+def test_attention_refuses_positions_outside_the_caches():
+    cos, sin = _rope_tables(LENGTH, 64)
+    k_cache, v_cache = torch.zeros(2, 3, LENGTH, 64), torch.zeros(2, 3, LENGTH, 64)
+    qkv = torch.randn(1, 2, 15 * 64)
+    for pos in ([[LENGTH - 1, LENGTH]], [[-1, 0]]):
+        with pytest.raises(ValueError, match="position outside the caches"):
+            qmm.attention(qkv, torch.tensor(pos), 9, 3, cos, sin, k_cache, v_cache)
 
 
 # ---- building ----

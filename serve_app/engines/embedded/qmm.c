@@ -700,7 +700,7 @@ static int attend_rows(const float *qr, float *scores, const int64_t *pos, int64
 
 /* qkv [R, (H + 2 KV) * D] for R = B * Q rows (sequence b's Q positions pos[b * Q + i], in slot
    slots[b] of the caches kc, vc [slots, KV, length, D], or slot0 + b when slots is NULL)
-   -> out [R, H * D]. Keys and values of
+   -> out [R, H * D]; -2 (nothing written) when a position is outside 0 .. length - 1. Keys and values of
    every row are written first; then each query row attends to keys 0 .. its position, in order,
    so a row's result does not depend on the rows beside it. */
 int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, int64_t H, int64_t KV, int64_t D,
@@ -709,7 +709,10 @@ int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, in
     const int64_t R = B * Q, W = (H + 2 * KV) * D;
     const float scale = 1.0f / sqrtf((float)D);
     int64_t maxpos = 0;
-    for (int64_t r = 0; r < R; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+    for (int64_t r = 0; r < R; r++) {
+        if (pos[r] < 0 || pos[r] >= length) return -2; /* outside the caches */
+        maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+    }
     float *qr = malloc(sizeof(float) * (size_t)(R * H * D + maxpos + 17 + D));
     if (!qr) return -1;
     float *scores = qr + R * H * D, *tmp = scores + maxpos + 17;

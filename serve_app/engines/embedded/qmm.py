@@ -201,12 +201,15 @@ def attention(qkv: torch.Tensor, pos: torch.Tensor, heads: int, kv_heads: int, c
 
 
 def _call(kernel, name: str, *args) -> None:
-    """Run a kernel (named ``name`` for torch.profiler under ``profile_calls``); its only
-    failure is the allocation of its scratch memory."""
+    """Run a kernel (named ``name`` for torch.profiler under ``profile_calls``); it fails when
+    its scratch memory cannot be allocated (-1) or, for attention, on a position outside the
+    caches (-2)."""
     if _profiled:
         with torch.profiler.record_function(name):
             failed = kernel(*args)
     else:
         failed = kernel(*args)
+    if failed == -2:
+        raise ValueError(f"{name}: a position outside the caches")
     if failed:
         raise MemoryError(f"{name}: no memory for the kernel's scratch buffers")
