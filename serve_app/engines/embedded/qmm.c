@@ -701,8 +701,9 @@ static int attend_rows(const float *qr, float *scores, const int64_t *pos, int64
 /* qkv [R, (H + 2 KV) * D] for R = B * Q rows (sequence b's Q positions pos[b * Q + i], in slot
    slots[b] of the caches kc, vc [slots, KV, length, D], or slot0 + b when slots is NULL)
    -> out [R, H * D]; -2 (nothing written) when a position is outside 0 .. length - 1. Keys and values of
-   every row are written first; then each query row attends to keys 0 .. its position, in order,
-   so a row's result does not depend on the rows beside it. */
+   every row are written first; then each query row attends to keys 0 .. its position, with
+   arithmetic fixed by its own query, keys and position, so a row's result does not depend on
+   the rows beside it. */
 int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, int64_t H, int64_t KV, int64_t D,
                   const float *cos, const float *sin, float *kc, float *vc, int64_t slot0, const int64_t *slots,
                   int64_t length, float *out) {

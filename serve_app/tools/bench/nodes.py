@@ -166,17 +166,14 @@ def _busy_node(t: Target, eligible, want: int = 2, wait_s: float = 10.0) -> tupl
     """The node of the busiest replica on one of the ``eligible`` nodes, and the requests it
     holds; waits up to ``wait_s`` for one that holds ``want`` (a node lost idle tests nothing,
     and a lone request may finish between this look and the removal), then takes the busiest
-    seen."""
+    at that moment."""
     deadline = time.monotonic() + wait_s
-    seen: tuple[str | None, int] = (None, 0)
     while True:
         infos = [i for i in t.replica_infos() if eligible(i["node_id"])]
         best = max(infos, key=lambda i: i["load"]["running"] + i["load"]["waiting"], default=None)
         held = 0 if best is None else best["load"]["running"] + best["load"]["waiting"]
-        if best is not None and (seen[0] is None or held >= seen[1]):
-            seen = best["node_id"], held
         if held >= want or time.monotonic() > deadline:
-            return seen if held < want else (best["node_id"], held)
+            return (None if best is None else best["node_id"]), held
         time.sleep(0.05)
 
 
