@@ -32,7 +32,7 @@ def tiny_head(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["float32", "gguf"])
 def tiny(tiny_head, request):
-    # gguf: the head's products in Q8_0 as well (its drafts change, the output must not)
+    # gguf: the head's products in Q4_1 as well (its drafts change, the output must not)
     return sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
                        drafter="eagle", draft_head=str(tiny_head), weights=request.param)
 
@@ -57,17 +57,21 @@ def test_eagle_sequences_release_their_head_state_and_slots_are_reused(tiny):
     assert not drafter.slot and len(drafter.free) == 8
 
 
-def test_the_head_s_attention_in_qmm_drafts_what_the_pytorch_attention_drafts(tiny_head):
-    """Under gguf the head's attention runs in qmm.c with the target's RoPE tables; its drafts
-    are those of the PyTorch attention but for float rounding near ties."""
+@pytest.mark.parametrize("other", ["pytorch attention", "pytorch modules"])
+def test_the_head_in_qmm_drafts_what_the_pytorch_head_drafts(tiny_head, other):
+    """Under gguf the head's passes run in one qmm.c call (qmm_eagle_propose) with the target's
+    RoPE tables; its drafts are those of the PyTorch modules, with qmm.c's attention or
+    PyTorch's, but for float rounding near ties."""
     drafts = {}
     for fused in (True, False):
         engine = sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
                              drafter="eagle", draft_head=str(tiny_head), weights="gguf")
         drafter = engine.core.drafter
-        assert drafter.rope_tables is not None
+        assert drafter.rope_tables is not None and drafter.fused is not None
         if not fused:
-            drafter.rope_tables = None
+            drafter.fused = None
+            if other == "pytorch attention":
+                drafter.rope_tables = None
         seen = drafts[fused] = []
         propose = drafter.propose
         drafter.propose = lambda ids, tokens, k, propose=propose, seen=seen: seen.append(propose(ids, tokens, k)) or seen[-1]
@@ -75,6 +79,30 @@ def test_the_head_s_attention_in_qmm_drafts_what_the_pytorch_attention_drafts(ti
     pairs = [(a, b) for x, y in zip(drafts[True], drafts[False], strict=True) for a, b in zip(x, y, strict=True)]
     same = sum(a == b for a, b in pairs)
     assert len(pairs) > 100 and same >= 0.95 * len(pairs), f"{same} of {len(pairs)} drafts agree"
+
+
+def test_the_fused_head_refuses_rows_it_was_not_given(tiny_head):
+    engine = sync_engine(model="tiny-random", max_num_seqs=2, max_model_len=64, drafter="eagle",
+                         draft_head=str(tiny_head), weights="gguf")
+    fused, d = engine.core.drafter.fused, engine.core.drafter.head.config.hidden_size
+    g = torch.zeros(2, d)
+    for tokens, starts, n, slots in (([[1, 2]], [0], [3], [0]), ([[], [1, 2]], [0, 0], [0, 2], [0, 1]),
+                                     ([[1, 2]], [-1], [2], [0]), ([[1, 2]], [0], [2], [2]),
+                                     ([[1, 10 ** 6]], [0], [2], [0])):
+        with pytest.raises(ValueError, match="qmm eagle"):
+            fused.propose(g, tokens, starts, n, slots, 2)
+    assert len(fused.propose(g, [[1, 2]], [0], [2], [1], 3)[0]) == 3
+
+
+def test_the_head_s_rope_tables_cover_its_scratch_index(tiny_head):
+    """The head's cache runs a scratch index past the target's positions; where the target's
+    RoPE tables end before it, the head gets longer ones (the same values where both have them)."""
+    engine = sync_engine(model="tiny-random", max_num_seqs=2, max_model_len=4096, drafter="eagle",
+                         draft_head=str(tiny_head), weights="gguf")
+    drafter, model = engine.core.drafter, engine.core.model
+    cos, sin = drafter.rope_tables
+    assert cos.shape[0] >= drafter.k.shape[2] > model.cos.shape[0]
+    assert torch.equal(cos[:model.cos.shape[0]], model.cos) and torch.equal(sin[:model.sin.shape[0]], model.sin)
 
 
 def test_eagle_head_with_a_wrong_checksum_is_refused(tiny_head, tmp_path):

@@ -33,6 +33,7 @@ from torch import nn
 from . import qmm
 from .linear import pack_linears
 from .model import rope as apply_rope
+from .model import rope_tables as rope_tables_for
 
 HEADS_DIR = Path(__file__).parent / "heads"
 
@@ -168,12 +169,16 @@ class EagleDrafter:
         # runs in qmm.c, as the gguf target's layers do: RoPE, the cache write and attention in
         # one call instead of some twenty PyTorch ops a draft step.
         self.rope_tables = rope_tables
+        # With them and the head's products in qmm.c as well, ``propose`` is one C call past its
+        # bookkeeping (``_FusedHead``): in PyTorch a draft pass is some twenty small ops, which
+        # cost more than the head's products.
         self.feature_layers = c.feature_layers
         p = next(head.parameters())
         self.scratch = capacity  # one index past the rest: where padding rows write
         shape = (max_num_seqs, c.num_kv_heads, capacity + 1, c.head_dim)
         self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.v = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.fused = None if rope_tables is None else _FusedHead.of(head, embed, rope_tables, self.k, self.v)
         self.free = list(range(max_num_seqs - 1, -1, -1))
         self.slot: dict[str, int] = {}
         self.length: dict[str, int] = {}  # head positions in the cache (verified)
@@ -181,7 +186,7 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def observe(self, seq_ids: Sequence[str], hidden: torch.Tensor, num_valid: Sequence[int]) -> None:
-        g = self.head.fc(hidden)
+        g = self.head.fc(hidden) if self.fused is None else self.fused.fc(hidden)
         for row, (sid, n) in enumerate(zip(seq_ids, num_valid, strict=True)):
             if sid not in self.slot:
                 self.slot[sid], self.length[sid], self.pending[sid] = self.free.pop(), 0, []
@@ -196,34 +201,43 @@ class EagleDrafter:
     def propose(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
         if k <= 0 or not seq_ids:
             return [[] for _ in seq_ids]
-        head, dev = self.head, self.k.device
-        slots = torch.tensor([self.slot[s] for s in seq_ids], device=dev)
         # Catch up: run the head over every verified position it has not seen (1 + accepted
         # after a speculative step, every token decoded meanwhile after plain steps).
         feats = [torch.cat(self.pending[s]) for s in seq_ids]
         starts = [self.length[s] for s in seq_ids]
         n = [len(f) for f in feats]
-        q = max(n)
-        g = torch.zeros((len(seq_ids), q, feats[0].shape[-1]), device=dev, dtype=self.k.dtype)
-        tok = torch.zeros((len(seq_ids), q), dtype=torch.long)
-        for row, (f, start, ids) in enumerate(zip(feats, starts, token_ids, strict=True)):
-            g[row, :len(f)] = f
-            # head index i reads feature i and token i + 1
-            tok[row, :len(f)] = torch.tensor(ids[start + 1:start + 1 + len(f)])
-        lens, num = torch.tensor(starts, device=dev), torch.tensor(n, device=dev)
-        a = self._run(g, tok.to(dev), lens, slots, num)
-        last = num - 1
-        a = a[torch.arange(len(seq_ids), device=dev), last][:, None]  # [B, 1, d]
+        # head index i reads feature i and token i + 1
+        tokens = [list(ids[start + 1:start + 1 + m]) for ids, start, m in zip(token_ids, starts, n, strict=True)]
+        slots = [self.slot[s] for s in seq_ids]
+        if self.fused is not None and self.rope_tables is not None:
+            drafts = self.fused.propose(torch.cat(feats), tokens, starts, n, slots, k)
+        else:
+            drafts = self._propose(feats, tokens, starts, n, slots, k)
         for s, m in zip(seq_ids, n, strict=True):
             self.length[s] += m
             self.pending[s] = []
+        return drafts
+
+    def _propose(self, feats: list[torch.Tensor], tokens: list[list[int]], starts: list[int], n: list[int],
+                 slots: list[int], k: int) -> list[list[int]]:
+        """``propose`` in PyTorch modules, the sequences' catch-up rows padded to the longest."""
+        head, dev, B = self.head, self.k.device, len(feats)
+        g = torch.zeros((B, max(n), feats[0].shape[-1]), device=dev, dtype=self.k.dtype)
+        tok = torch.zeros((B, max(n)), dtype=torch.long)
+        for row, (f, ids) in enumerate(zip(feats, tokens, strict=True)):
+            g[row, :len(f)] = f
+            tok[row, :len(f)] = torch.tensor(ids)
+        lens, num = torch.tensor(starts, device=dev), torch.tensor(n, device=dev)
+        slot = torch.tensor(slots, device=dev)
+        a = self._run(g, tok.to(dev), lens, slot, num)
+        a = a[torch.arange(B, device=dev), num - 1][:, None]  # [B, 1, d]
         lens = lens + num
         drafts = []
         for j in range(k):
             t = head.logits(a[:, 0]).argmax(-1)
             drafts.append(head.d2t[t])
             if j + 1 < k:
-                a = self._run(a, drafts[-1][:, None], lens + j, slots)
+                a = self._run(a, drafts[-1][:, None], lens + j, slot)
         return torch.stack(drafts, 1).tolist()
 
     def _run(self, g: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
@@ -254,6 +268,59 @@ class EagleDrafter:
         return self.head.finish(g, attn)
 
 
+class _FusedHead:
+    """A Q4_1 head with qmm.c's attention: ``propose``'s passes in one C call (qmm.c's
+    ``qmm_eagle_propose``) over the sequences' catch-up rows unpadded; its float rounding is
+    qmm.c's (norms, SiLU) instead of PyTorch's."""
+
+    __slots__ = ("fc", "parts", "slots", "vocab", "_keep")
+
+    def __init__(self, head: EagleHead, linears: list, embed: torch.Tensor, rope_tables, k: torch.Tensor,
+                 v: torch.Tensor):
+        c = head.config
+        self.fc = linears[0]
+        tensors = [w.detach().float().contiguous() for w in
+                   (torch.stack([head.norm_embed, head.norm_feature]), head.norm_mlp, head.norm_out, embed,
+                    *rope_tables)]
+        d2t = head.d2t.to(torch.int64).contiguous()
+        self.slots, self.vocab = k.shape[0], embed.shape[0]
+        if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32):
+            raise ValueError("the fused draft head needs contiguous float32 caches")
+        if tensors[4].shape[0] < k.shape[2]:  # the scratch index's RoPE is read, if never used
+            raise ValueError(f"RoPE tables of {tensors[4].shape[0]} positions for a head cache of {k.shape[2]}")
+        if int(d2t.min()) < 0 or int(d2t.max()) >= self.vocab:
+            raise ValueError(f"the draft head maps to token ids outside the target's {self.vocab}")
+        self._keep = (linears, tensors, d2t, k, v)  # the addresses below stay valid while this lives
+        ptrs = [x.packed.data_ptr() for x in linears[1:]] + [t.data_ptr() for t in tensors[:4]] + \
+            [d2t.data_ptr()] + [t.data_ptr() for t in tensors[4:]] + [k.data_ptr(), v.data_ptr()]
+        self.parts = qmm.EagleParts(*ptrs, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                    c.intermediate_size, c.draft_vocab_size, k.shape[2], c.rms_norm_eps)
+
+    @classmethod
+    def of(cls, head: EagleHead, embed, rope_tables, k, v) -> _FusedHead | None:
+        """The fused head when every product of ``head`` runs in qmm.c's Q4_1 without a bias, else None."""
+        names = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
+        linears = [getattr(getattr(head, name), "linear", None) for name in names]
+        if not all(isinstance(x, qmm.Q4_1Linear) and x.bias is None for x in linears) or embed.device.type != "cpu":
+            return None
+        return cls(head, linears, embed, rope_tables, k, v)
+
+    def propose(self, g: torch.Tensor, tokens: list[list[int]], starts: list[int], n: list[int], slots: list[int],
+                k: int) -> list[list[int]]:
+        """The catch-up over ``g`` [sum(n), d], sequence b's ``n[b]`` rows with ``tokens[b]``
+        from cache index ``starts[b]`` in slot ``slots[b]``, and ``k`` drafts per sequence."""
+        flat = [t for row in tokens for t in row]
+        if [len(row) for row in tokens] != list(n) or min(n) < 1 or min(starts) < 0 \
+                or g.shape != (len(flat), self.parts.d) or not all(0 <= s < self.slots for s in slots) \
+                or not all(0 <= t < self.vocab for t in flat):
+            raise ValueError(f"qmm eagle: rows {list(n)} from {list(starts)} in slots {list(slots)} for features "
+                             f"{tuple(g.shape)}")
+        drafts = torch.empty((len(n), k), dtype=torch.int64)
+        index = torch.tensor([*starts, *n, *slots], dtype=torch.int64)
+        qmm.eagle_propose(self.parts, g.float().contiguous(), torch.tensor(flat, dtype=torch.int64), index, k, drafts)
+        return drafts.tolist()
+
+
 def make_eagle_drafter(model, head_path: str | Path | None, model_name: str, max_num_seqs: int,
                        capacity: int) -> EagleDrafter:
     path = Path(head_path) if head_path else default_head_path(model_name)
@@ -265,7 +332,10 @@ def make_eagle_drafter(model, head_path: str | Path | None, model_name: str, max
     if (c.hidden_size, c.target_vocab_size) != (s.hidden_size, s.vocab_size) or max(c.feature_layers) >= s.num_layers:
         raise ValueError(f"draft head {path} does not fit the model (hidden {c.hidden_size}, vocab "
                          f"{c.target_vocab_size}, layers {c.feature_layers})")
-    rope_tables = ((model.cos, model.sin) if model.fused_attention and (c.rope_theta, c.head_dim) == (s.rope_theta, s.head_dim)
-                   else None)
+    rope_tables = None
+    if model.fused_attention and (c.rope_theta, c.head_dim) == (s.rope_theta, s.head_dim):
+        # the target's tables, made longer where the head's cache (its scratch index included) runs past them
+        rope_tables = (model.cos, model.sin) if model.cos.shape[0] > capacity else \
+            rope_tables_for(c.head_dim, c.rope_theta, capacity + 1, model.device, model.dtype)
     return EagleDrafter(pack_linears(head, "gguf" if model.weights == "gguf" else "float32"), model.embed,
                         max_num_seqs, capacity, rope_tables)

@@ -72,11 +72,8 @@ class Llama:
                 gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=linear([p + "mlp.down_proj.weight"]),
             ))
-        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim))
-        freqs = torch.outer(torch.arange(shape.max_position_embeddings + 64, dtype=torch.float64), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.cos, self.sin = rope_tables(shape.head_dim, shape.rope_theta, shape.max_position_embeddings + 64,
+                                         device, dtype)
         # The gguf format runs each layer's attention in qmm.c (RoPE, cache write, attention).
         self.fused_attention = weights == "gguf" and dtype == torch.float32
 
@@ -136,6 +133,14 @@ class Llama:
             return attend(xq, k_cache[slot0:slot0 + B, :, :L], v_cache[slot0:slot0 + B, :, :L], visible)
 
         return attention
+
+
+def rope_tables(head_dim: int, theta: float, positions: int, device=None, dtype=torch.float32):
+    """cos, sin [positions, head_dim] (the halves layout), computed in float64 and then cast."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -736,3 +736,102 @@ int qmm_attention(const float *qkv, const int64_t *pos, int64_t B, int64_t Q, in
     return failed;
 }
 
+/* An EAGLE draft head in Q4_1 (serve_app/engines/embedded/eagle.py): one Llama layer over a
+   feature and a token's embedding, and the drafting loop of EagleDrafter.propose, in one call
+   where PyTorch took some twenty small ops a pass. */
+typedef struct {
+    const uint8_t *qkv, *o, *gate_up, *down, *lm_head; /* packed Q4_1 */
+    const float *norm_in, *norm_mlp, *norm_out;          /* [2, d] (embedding's, feature's), [d], [d] */
+    const float *embed;                                  /* the target's token embeddings [vocab, d] */
+    const int64_t *d2t;                                  /* draft vocabulary -> token id */
+    const float *cos, *sin;                              /* the target's RoPE tables [positions, head_dim] */
+    float *kc, *vc;                                      /* the head's caches [slots, kv_heads, length, head_dim] */
+    int64_t d, heads, kv_heads, head_dim, inter, draft_vocab, length;
+    float eps;
+} eagle_t;
+
+/* The layer over R rows: features g [R, d], tokens tok [R] at cache positions pos [R] in slots
+   slot [R] -> out [R, d]. Keys and values of every row are written before any row attends, so
+   rows of one sequence see each other as in one pass over its positions. */
+static int eagle_pass(const eagle_t *e, const float *g, const int64_t *tok, const int64_t *pos, const int64_t *slot,
+                      int64_t R, float *out) {
+    const int64_t d = e->d, I = e->inter, nq = e->heads * e->head_dim;
+    const int64_t W = nq + 2 * e->kv_heads * e->head_dim;
+    float *h = malloc(sizeof(float) * (size_t)(R * (2 * d + W + nq + d + 3 * I)));
+    if (!h) return -1;
+    float *qkv = h + R * 2 * d, *attn = qkv + R * W, *x = attn + R * nq, *gu = x + R * d, *act = gu + R * 2 * I;
+    for (int64_t r = 0; r < R; r++) { /* [norm(embedding), norm(feature)] */
+        rms_norm_row(e->embed + tok[r] * d, e->norm_in, e->eps, d, h + r * 2 * d);
+        rms_norm_row(g + r * d, e->norm_in + d, e->eps, d, h + r * 2 * d + d);
+    }
+    int rc = qmm_linear_q4_1(h, NULL, 0.0f, R, 2 * d, e->qkv, W, qkv);
+    if (!rc) rc = qmm_attention(qkv, pos, R, 1, e->heads, e->kv_heads, e->head_dim, e->cos, e->sin, e->kc, e->vc,
+                                0, slot, e->length, attn);
+    if (!rc) rc = qmm_linear_q4_1(attn, NULL, 0.0f, R, nq, e->o, d, x);
+    if (!rc) {
+        for (int64_t j = 0; j < R * d; j++) x[j] = g[j] + x[j];
+        rc = qmm_linear_q4_1(x, e->norm_mlp, e->eps, R, d, e->gate_up, 2 * I, gu);
+    }
+    if (!rc) {
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t j = 0; j < I; j++) {
+                const float a = gu[r * 2 * I + j];
+                act[r * I + j] = a / (1.0f + expf(-a)) * gu[r * 2 * I + I + j];
+            }
+        rc = qmm_linear_q4_1(act, NULL, 0.0f, R, I, e->down, d, out);
+    }
+    if (!rc)
+        for (int64_t j = 0; j < R * d; j++) out[j] = x[j] + out[j];
+    free(h);
+    return rc;
+}
+
+/* Catch-up and k drafts for B sequences. g [R, d] and tok [R] hold, sequence after sequence,
+   the num[b] verified positions of sequence b that the head has not run, from cache index
+   lens[b], in slot slots[b] (R = the sum of num). The last one's output drafts token 0; draft
+   j, fed back with that output at index lens[b] + num[b] + j, drafts token j + 1 -> drafts
+   [B, k] token ids. An index past the caches' last is held at it: the scratch index, whose
+   keys no query at a real position reads. */
+int qmm_eagle_propose(const eagle_t *e, const float *g, const int64_t *tok, const int64_t *lens, const int64_t *num,
+                      const int64_t *slots, int64_t B, int64_t k, int64_t *drafts) {
+    const int64_t d = e->d, V = e->draft_vocab, last = e->length - 1;
+    int64_t R = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (num[b] < 1 || lens[b] < 0) return -2;
+        R += num[b];
+    }
+    if (R < 1) return -2;
+    float *hid = malloc(sizeof(float) * (size_t)(R * d + 2 * B * d + B * V));
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(2 * R + B));
+    if (!hid || !idx) { free(hid); free(idx); return -1; }
+    float *a = hid + R * d, *next = a + B * d, *logits = next + B * d;
+    int64_t *slot = idx + R, *t = slot + R;
+    for (int64_t b = 0, r = 0; b < B; b++)
+        for (int64_t i = 0; i < num[b]; i++, r++) {
+            idx[r] = lens[b] + i < last ? lens[b] + i : last;
+            slot[r] = slots[b];
+        }
+    int rc = eagle_pass(e, g, tok, idx, slot, R, hid);
+    for (int64_t b = 0, r = 0; b < B && !rc; r += num[b], b++)
+        memcpy(a + b * d, hid + (r + num[b] - 1) * d, sizeof(float) * (size_t)d);
+    for (int64_t j = 0; j < k && !rc; j++) {
+        rc = qmm_linear_q4_1(a, e->norm_out, e->eps, B, d, e->lm_head, V, logits);
+        if (rc) break;
+        for (int64_t b = 0; b < B; b++) { /* the first index of the largest logit (or of a NaN), as torch.argmax */
+            const float *l = logits + b * V;
+            int64_t best = 0;
+            for (int64_t v = 1; v < V && l[best] == l[best]; v++) best = (l[v] > l[best] || l[v] != l[v]) ? v : best;
+            t[b] = e->d2t[best];
+            drafts[b * k + j] = t[b];
+            const int64_t p = lens[b] + num[b] + j;
+            idx[b] = p < last ? p : last;
+        }
+        if (j + 1 < k) {
+            rc = eagle_pass(e, a, t, idx, slots, B, next);
+            float *swap = a; a = next; next = swap;
+        }
+    }
+    free(hid);
+    free(idx);
+    return rc;
+}

@@ -97,6 +97,16 @@ def library() -> ctypes.CDLL:
         return _lib
 
 
+class EagleParts(ctypes.Structure):
+    """qmm.c's ``eagle_t``: a Q4_1 draft head's weights, tables and caches, by address."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("qkv", "o", "gate_up", "down", "lm_head", "norm_in", "norm_mlp", "norm_out", "embed", "d2t",
+                 "cos", "sin", "kc", "vc")] + \
+               [(name, ctypes.c_int64) for name in
+                ("d", "heads", "kv_heads", "head_dim", "inter", "draft_vocab", "length")] + [("eps", ctypes.c_float)]
+
+
 def load(path: Path) -> ctypes.CDLL:
     """A compiled qmm library, its functions typed."""
     lib = ctypes.CDLL(str(path))
@@ -111,6 +121,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.qmm_path.restype = ctypes.c_char_p
     lib.qmm_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr]
     lib.qmm_attention.restype = ctypes.c_int
+    lib.qmm_eagle_propose.argtypes = [ctypes.POINTER(EagleParts), ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    lib.qmm_eagle_propose.restype = ctypes.c_int
     return lib
 
 
@@ -200,10 +212,19 @@ def attention(qkv: torch.Tensor, pos: torch.Tensor, heads: int, kv_heads: int, c
     return out
 
 
+def eagle_propose(parts: EagleParts, g: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor, k: int,
+                  drafts: torch.Tensor) -> None:
+    """qmm.c's draft head (``qmm_eagle_propose``) into ``drafts`` [B, k]: features ``g`` [R, d]
+    (float32) and ``tokens`` [R], ``index`` [3 B] the sequences' first cache indices, row counts
+    (summing to R) and slots, int64; all contiguous (eagle.py's ``_FusedHead`` checks them)."""
+    B = drafts.shape[0]
+    _call(library().qmm_eagle_propose, "qmm eagle", ctypes.byref(parts), g.data_ptr(), tokens.data_ptr(),
+          index.data_ptr(), index[B:].data_ptr(), index[2 * B:].data_ptr(), B, k, drafts.data_ptr())
+
+
 def _call(kernel, name: str, *args) -> None:
     """Run a kernel (named ``name`` for torch.profiler under ``profile_calls``); it fails when
-    its scratch memory cannot be allocated (-1) or, for attention, on a position outside the
-    caches (-2)."""
+    its scratch memory cannot be allocated (-1) or on a position outside the caches (-2)."""
     if _profiled:
         with torch.profiler.record_function(name):
             failed = kernel(*args)

@@ -29,6 +29,7 @@ GROUPS = {
     "aten::_weight_int4pack_mm_for_cpu": "int4 products (q4_1 layers)",
     "aten::_weight_int8pack_mm": "int8 products",
     "qmm": "qmm products (gguf: Q4_1 layers, Q8_0 LM head)",
+    "qmm eagle": "the draft head (gguf: its catch-up and drafts in one qmm.c call)",
     "mkldnn::_linear_pointwise": "oneDNN products (float32, bfloat16, LM head)",
     "aten::addmm": "other matrix products",
     "aten::mm": "other matrix products",
