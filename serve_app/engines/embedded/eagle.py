@@ -170,8 +170,8 @@ class EagleDrafter:
         # one call instead of some twenty PyTorch ops a draft step.
         self.rope_tables = rope_tables
         # With them and the head's products in qmm.c as well, ``propose`` is one C call past its
-        # bookkeeping (``_FusedHead``): in PyTorch a draft pass is some twenty small ops, which
-        # cost more than the head's products.
+        # bookkeeping (``_FusedHead``, ``self.fused``); the PyTorch modules' small ops cost more
+        # than the head's products.
         self.feature_layers = c.feature_layers
         p = next(head.parameters())
         self.scratch = capacity  # one index past the rest: where padding rows write
@@ -209,7 +209,7 @@ class EagleDrafter:
         # head index i reads feature i and token i + 1
         tokens = [list(ids[start + 1:start + 1 + m]) for ids, start, m in zip(token_ids, starts, n, strict=True)]
         slots = [self.slot[s] for s in seq_ids]
-        if self.fused is not None and self.rope_tables is not None:
+        if self.fused is not None:
             drafts = self.fused.propose(torch.cat(feats), tokens, starts, n, slots, k)
         else:
             drafts = self._propose(feats, tokens, starts, n, slots, k)
@@ -279,20 +279,20 @@ class _FusedHead:
                  v: torch.Tensor):
         c = head.config
         self.fc = linears[0]
-        tensors = [w.detach().float().contiguous() for w in
-                   (torch.stack([head.norm_embed, head.norm_feature]), head.norm_mlp, head.norm_out, embed,
-                    *rope_tables)]
+        floats = [w.detach().float().contiguous() for w in  # in eagle_t's order: norms, embed, cos, sin
+                  (torch.stack([head.norm_embed, head.norm_feature]), head.norm_mlp, head.norm_out, embed,
+                   *rope_tables)]
         d2t = head.d2t.to(torch.int64).contiguous()
         self.slots, self.vocab = k.shape[0], embed.shape[0]
         if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32):
             raise ValueError("the fused draft head needs contiguous float32 caches")
-        if tensors[4].shape[0] < k.shape[2]:  # the scratch index's RoPE is read, if never used
-            raise ValueError(f"RoPE tables of {tensors[4].shape[0]} positions for a head cache of {k.shape[2]}")
+        if rope_tables[0].shape[0] < k.shape[2]:  # the scratch index's RoPE is read, if never used
+            raise ValueError(f"RoPE tables of {rope_tables[0].shape[0]} positions for a head cache of {k.shape[2]}")
         if int(d2t.min()) < 0 or int(d2t.max()) >= self.vocab:
             raise ValueError(f"the draft head maps to token ids outside the target's {self.vocab}")
-        self._keep = (linears, tensors, d2t, k, v)  # the addresses below stay valid while this lives
-        ptrs = [x.packed.data_ptr() for x in linears[1:]] + [t.data_ptr() for t in tensors[:4]] + \
-            [d2t.data_ptr()] + [t.data_ptr() for t in tensors[4:]] + [k.data_ptr(), v.data_ptr()]
+        self._keep = (linears, floats, d2t, k, v)  # the addresses below stay valid while this lives
+        ptrs = [x.packed.data_ptr() for x in linears[1:]] + [t.data_ptr() for t in floats[:4]] + \
+            [d2t.data_ptr()] + [t.data_ptr() for t in floats[4:]] + [k.data_ptr(), v.data_ptr()]
         self.parts = qmm.EagleParts(*ptrs, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                     c.intermediate_size, c.draft_vocab_size, k.shape[2], c.rms_norm_eps)
 
