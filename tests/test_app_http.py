@@ -45,6 +45,24 @@ def test_openai_client_streaming_chat_matches_non_streaming(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_the_replicas_answer_the_same_over_grpc_and_over_actor_calls(tiny_app, serve_http):
+    """The shared app reaches its replicas over Serve's gRPC data plane (the default); an app
+    with ``replica_transport: ray`` over Ray actor calls serves the same greedy output."""
+    actor_calls = deploy("tiny-actor-calls", serve_http, app_args(num_replicas=1, replica_transport="ray"))
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}
+        chat = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 10, "temperature": 0, "stream": True}
+        outputs = []
+        for app in (tiny_app, actor_calls):
+            whole = app.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            with app.http.stream("POST", "/v1/chat/completions", json=chat) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            outputs.append((whole, "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])))
+        assert outputs[0] == outputs[1] and outputs[0][0] and outputs[0][1]
+    finally:
+        undeploy(actor_calls)
+
+
 def test_streaming_completion_ends_with_done(tiny_app):
     body = {"prompt": "abc", "max_tokens": 5, "temperature": 0, "stream": True}
     with tiny_app.http.stream("POST", "/v1/completions", json=body) as r:

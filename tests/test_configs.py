@@ -54,6 +54,7 @@ def test_prod_config_reserves_eight_gpus_per_replica():
         ({"policy": {"tiers": [{"below": 4, "num_steps": 12}, {"num_steps": 0}]}}, "max_num_steps"),
         ({"num_replicas": 0}, "num_replicas"),
         ({"replicas": 2}, "replicas"),
+        ({"replica_transport": "zmq"}, "replica_transport"),
     ],
 )
 def test_a_bad_config_fails_naming_the_field(args, field):

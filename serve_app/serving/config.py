@@ -8,7 +8,7 @@ sections are their own packages' models.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -75,6 +75,11 @@ class AppArgs(Strict):
     controller: ControllerOptions = Field(default_factory=ControllerOptions)
     limits: Limits = Field(default_factory=Limits)
     streaming: StreamOptions = Field(default_factory=StreamOptions)
+    replica_transport: Literal["grpc", "ray"] = Field(
+        default="grpc",
+        description="How the ingress reaches the replicas: Serve's gRPC data plane, or Ray actor calls "
+        "(objects by reference). See docs/serving.md#transport.",
+    )
     admin_token_env: str = Field(default="SPECSERVE_ADMIN_TOKEN", min_length=1)
     served_model_name: str | None = Field(default=None, description="Model name clients use; default: the engine's.")
 

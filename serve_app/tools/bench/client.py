@@ -328,7 +328,7 @@ def local_app(config: str, overrides: list[str] | None = None) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from serve_app.serving.app import build_app
+    from serve_app.serving.app import build_app, set_ray_env
     from serve_app.serving.config import AppArgs
 
     name, raw_args = read_serve_config(config)
@@ -337,6 +337,7 @@ def local_app(config: str, overrides: list[str] | None = None) -> Iterator[str]:
         os.environ[args.admin_token_env] = secrets.token_hex(16)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    set_ray_env()
     ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
     try:
         port = free_port()

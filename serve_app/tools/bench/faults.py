@@ -34,6 +34,7 @@ import secrets
 import time
 from datetime import UTC, datetime
 
+from serve_app.serving.app import set_ray_env
 from serve_app.serving.config import read_serve_config
 
 from .client import free_port
@@ -246,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
     token_env = "SPECSERVE_FAULTS_ADMIN_TOKEN"
     os.environ[token_env] = token = secrets.token_urlsafe(24)  # before Ray starts: workers inherit it
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    set_ray_env()
     cluster = LocalCluster(workers) if workers >= 1 else None
     # A cluster of our own is set up already (LocalCluster); a local Ray is started here.
     where = (
