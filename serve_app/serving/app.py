@@ -9,7 +9,6 @@ the first replica or ingress that starts (see :mod:`serve_app.control.actor`).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ray.serve import Application
@@ -20,17 +19,6 @@ from serve_app.serving.replica import LLMReplica
 
 REPLICA_DEPLOYMENT = "LLMReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
-
-RAY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
-"""Environment for the Ray that serves the app, set before Ray starts (scripts/run_local.sh
-exports it): Serve's HTTP proxy then reaches the ingress over gRPC, as the ingress reaches the
-replicas (``replica_transport``). Serve reads it when the proxy starts; docs/serving.md#transport."""
-
-
-def set_ray_env() -> None:
-    """:data:`RAY_ENV` into this process's environment where unset, before it starts Ray."""
-    for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:

@@ -7,6 +7,7 @@ sections are their own packages' models.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +42,18 @@ class Limits(Strict):
     retries: int = Field(
         default=2, ge=0, description="Re-dispatches of a request whose replica died before it streamed a token."
     )
+
+
+RAY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+"""Environment for the Ray that serves the app, set before Ray starts (scripts/run_local.sh
+exports it): Serve's HTTP proxy then reaches the ingress over gRPC, as the ingress reaches the
+replicas (``AppArgs.replica_transport``). Serve reads it when the proxy starts; docs/serving.md#transport."""
+
+
+def set_ray_env() -> None:
+    """:data:`RAY_ENV` into this process's environment where unset, before it starts Ray."""
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 class StreamOptions(Strict):

@@ -66,7 +66,7 @@ class OpenAIIngress:
         errors.set_body_limit(self._limits.max_request_bytes)
         self._put_bucket = admin.TokenBucket(self._limits.admin_puts_per_s, self._limits.admin_burst)
         # Serve's gRPC data plane (what RAY_SERVE_USE_GRPC_BY_DEFAULT=1 selects for every handle)
-        # costs the ingress about half the CPU a streamed chunk takes through Ray actor calls.
+        # costs the ingress about a third less CPU a streamed chunk than Ray actor calls.
         self._replica = replica.options(_by_reference=replica_transport != "grpc")
         self._admin_token_env = admin_token_env
         self._model = served_model_name

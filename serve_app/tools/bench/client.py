@@ -328,8 +328,8 @@ def local_app(config: str, overrides: list[str] | None = None) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from serve_app.serving.app import build_app, set_ray_env
-    from serve_app.serving.config import AppArgs
+    from serve_app.serving.app import build_app
+    from serve_app.serving.config import AppArgs, set_ray_env
 
     name, raw_args = read_serve_config(config)
     args = AppArgs.model_validate(with_overrides(raw_args, overrides or []))

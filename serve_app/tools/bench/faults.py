@@ -34,8 +34,7 @@ import secrets
 import time
 from datetime import UTC, datetime
 
-from serve_app.serving.app import set_ray_env
-from serve_app.serving.config import read_serve_config
+from serve_app.serving.config import read_serve_config, set_ray_env
 
 from .client import free_port
 from .fault_load import Load, Target, result
