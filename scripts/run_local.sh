@@ -9,6 +9,7 @@ if [ -z "${SPECSERVE_ADMIN_TOKEN:-}" ]; then
   echo "specserve: operator token for PUT /v1/speculation: $SPECSERVE_ADMIN_TOKEN" >&2
 fi
 # Serve's HTTP proxy reaches the ingress over gRPC (serve_app.serving.config.RAY_ENV).
-export SPECSERVE_ADMIN_TOKEN RAY_USAGE_STATS_ENABLED=0 RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC:-1}"
+export SPECSERVE_ADMIN_TOKEN RAY_USAGE_STATS_ENABLED=0 RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC:-1}" \
+  RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH:-268435456}"
 export PATH="$PWD/.venv/bin:$PATH"
 exec serve run "${@:-configs/local.yaml}"

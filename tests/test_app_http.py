@@ -63,6 +63,17 @@ def test_the_replicas_answer_the_same_over_grpc_and_over_actor_calls(tiny_app, s
         undeploy(actor_calls)
 
 
+def test_a_response_over_grpcs_default_4_mib_limit_arrives(tiny_app):
+    """8 choices of 400 tokens with 20 top logprobs each make a ~5 MB body: over gRPC between
+    proxy and ingress it passes only with RAY_ENV's larger message limit."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 8, "logprobs": True, "top_logprobs": 20,
+            "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    r = tiny_app.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.content) > 4 * 2**20
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 8
+
+
 def test_streaming_completion_ends_with_done(tiny_app):
     body = {"prompt": "abc", "max_tokens": 5, "temperature": 0, "stream": True}
     with tiny_app.http.stream("POST", "/v1/completions", json=body) as r:

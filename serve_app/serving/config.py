@@ -44,10 +44,12 @@ class Limits(Strict):
     )
 
 
-RAY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+RAY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(256 * 2**20)}
 """Environment for the Ray that serves the app, set before Ray starts (scripts/run_local.sh
 exports it): Serve's HTTP proxy then reaches the ingress over gRPC, as the ingress reaches the
-replicas (``AppArgs.replica_transport``). Serve reads it when the proxy starts; docs/serving.md#transport."""
+replicas (``AppArgs.replica_transport``), and a gRPC message may hold 256 MiB rather than
+Serve's 4 MiB (a whole response with n choices and top logprobs can pass 4 MiB). Serve reads
+both when its processes start; docs/serving.md#transport."""
 
 
 def set_ray_env() -> None:
