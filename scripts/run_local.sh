@@ -8,8 +8,9 @@ if [ -z "${SPECSERVE_ADMIN_TOKEN:-}" ]; then
   SPECSERVE_ADMIN_TOKEN="$(.venv/bin/python -c 'import secrets; print(secrets.token_hex(16))')"
   echo "specserve: operator token for PUT /v1/speculation: $SPECSERVE_ADMIN_TOKEN" >&2
 fi
-# Serve's HTTP proxy reaches the ingress over gRPC (serve_app.serving.config.RAY_ENV).
-export SPECSERVE_ADMIN_TOKEN RAY_USAGE_STATS_ENABLED=0 RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC:-1}" \
-  RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH:-268435456}"
+export SPECSERVE_ADMIN_TOKEN RAY_USAGE_STATS_ENABLED=0
+# The environment the Ray that serves the app starts with, where unset (serve_app.serving.config.RAY_ENV).
+eval "$(.venv/bin/python -c 'from serve_app.serving.config import RAY_ENV
+for k, v in RAY_ENV.items(): print(f"export {k}=\"${{{k}:-{v}}}\"")')"
 export PATH="$PWD/.venv/bin:$PATH"
 exec serve run "${@:-configs/local.yaml}"
