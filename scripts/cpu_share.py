@@ -117,9 +117,10 @@ def main() -> None:
         return {"row": {k: row[k] for k in ("output_tokens_per_s", "tpot_p50_ms")}, **result}
 
     out = {"command": "python scripts/cpu_share.py " + " ".join(sys.argv[1:]),
-           "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
-           "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")}}
+           "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count()}
     out |= run_against_target(args, body)
+    # after the run: starting a local app sets serve_app.serving.config.RAY_ENV where unset
+    out["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")}
     out["cpu_s"] = dict(sorted(out["cpu_s"].items(), key=lambda kv: -kv[1]))
     if args.policy == "off" and args.concurrency > 0:
         chunks = out["row"]["output_tokens_per_s"] * out["window_s"]
