@@ -12,7 +12,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray exports metrics every 10 s by default; the observability test reads them within seconds.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
-set_ray_env()  # the transport the served stack uses (serve_app.serving.config.RAY_ENV)
+set_ray_env(own_ports=True)  # the stack's HTTP front and transport (serve_app.serving.config.RAY_ENV)
 TEST_ADMIN_TOKEN_ENV = "SPECSERVE_TEST_ADMIN_TOKEN"
 TEST_ADMIN_TOKEN = "test-admin-token"
 os.environ[TEST_ADMIN_TOKEN_ENV] = TEST_ADMIN_TOKEN

@@ -63,15 +63,33 @@ def test_the_replicas_answer_the_same_over_grpc_and_over_actor_calls(tiny_app, s
         undeploy(actor_calls)
 
 
+def test_haproxy_takes_the_stacks_http(serve_http):
+    """With RAY_ENV's RAY_SERVE_ENABLE_HA_PROXY, HAProxy listens on the HTTP port, not Serve's proxy."""
+    import psutil
+
+    port = int(serve_http.rsplit(":", 1)[1])
+    listeners = {psutil.Process(c.pid).name() for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid}
+    assert listeners == {"haproxy"}
+
+
 def test_a_response_over_grpcs_default_4_mib_limit_arrives(tiny_app):
-    """8 choices of 400 tokens with 20 top logprobs each make a ~5 MB body: over gRPC between
-    proxy and ingress it passes only with RAY_ENV's larger message limit."""
+    """8 choices of 400 tokens with 20 top logprobs each make a ~5 MB body. Through Serve's
+    Python proxy (HAProxy's fallback, called here directly) it crosses gRPC from the ingress
+    whole, and arrives only with RAY_ENV's larger message limit; through HAProxy as well."""
+    import os
+
+    import httpx
+
     body = {"messages": [{"role": "user", "content": "hi"}], "n": 8, "logprobs": True, "top_logprobs": 20,
             "max_tokens": 400, "ignore_eos": True, "temperature": 0}
-    r = tiny_app.http.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text[:300]
-    assert len(r.content) > 4 * 2**20
-    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 8
+    fallback = os.environ.get("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+    fronts = [tiny_app.prefix] + ([f"http://127.0.0.1:{fallback}/{tiny_app.name}"] if fallback else [])
+    for front in fronts:
+        r = httpx.post(f"{front}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, (front, r.text[:300])
+        assert len(r.content) > 4 * 2**20
+        assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 8
 
 
 def test_streaming_completion_ends_with_done(tiny_app):

@@ -67,3 +67,30 @@ def test_build_app_validates_its_args():
 
     with pytest.raises(ValidationError, match="policy.dwell_s"):
         build_app({"policy": {"dwell_s": "soon"}})
+
+
+def test_ray_env_puts_haproxy_in_front_and_own_ports_frees_its_fixed_ones(monkeypatch):
+    """ray[serve] installs HAProxy on Linux, so RAY_ENV turns it on; a process that starts a Ray
+    of its own beside another (tests, benchmarks) gets free stats and metrics ports each time."""
+    import os
+    import sys
+
+    from serve_app.serving.config import HAPROXY_PORTS as ports
+    from serve_app.serving.config import RAY_ENV, set_ray_env
+
+    if sys.platform == "linux":
+        assert RAY_ENV["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    for key in (*RAY_ENV, *ports):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")  # set by hand: kept
+    set_ray_env()
+    assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"
+    assert all(os.environ[k] == v for k, v in RAY_ENV.items() if k != "RAY_SERVE_PROXY_USE_GRPC")
+    assert not any(k in os.environ for k in ports)  # a plain run keeps Serve's fixed ports
+    if RAY_ENV.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        set_ray_env(own_ports=True)
+        first = [int(os.environ[k]) for k in ports]
+        set_ray_env(own_ports=True)  # a child process of a process that set them picks again
+        again = [int(os.environ[k]) for k in ports]
+        assert len({*first, *again}) >= 6
+        assert not {8404, 9101, 8500, 9500} & {*first, *again}

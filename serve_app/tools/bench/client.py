@@ -337,7 +337,7 @@ def local_app(config: str, overrides: list[str] | None = None) -> Iterator[str]:
         os.environ[args.admin_token_env] = secrets.token_hex(16)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    set_ray_env()
+    set_ray_env(own_ports=True)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
     try:
         port = free_port()

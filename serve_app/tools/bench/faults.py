@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     token_env = "SPECSERVE_FAULTS_ADMIN_TOKEN"
     os.environ[token_env] = token = secrets.token_urlsafe(24)  # before Ray starts: workers inherit it
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    set_ray_env()
+    set_ray_env(own_ports=True)
     cluster = LocalCluster(workers) if workers >= 1 else None
     # A cluster of our own is set up already (LocalCluster); a local Ray is started here.
     where = (
