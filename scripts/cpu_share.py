@@ -7,7 +7,7 @@ python scripts/cpu_share.py --config configs/local.yaml --prompt-set chat --conc
 ``--measure-s``).
 
 With ``--policy off`` it also prints ``host_ms_per_chunk``: the CPU of the per-request path
-outside the replicas (ingress, HTTP proxy, benchmark client) per token, which is per chunk
+outside the replicas (ingress, HTTP proxy or HAProxy, benchmark client) per token, which is per chunk
 when every token is its own chunk (``--set streaming.chunks_per_s=0``), the simulator's
 ``--host-ms-per-chunk``. A lower bound: the replicas' own streaming work
 is inside their CPU, with the engine's. The CPU is sampled from ``--settle-s`` on, while the
@@ -37,14 +37,15 @@ def group(p: psutil.Process) -> str:
         return "?"
     if p.pid == os.getpid():
         return "benchmark client"
-    for key in ("LLMReplica", "OpenAIIngress", "ProxyActor", "ModeController", "ServeController", "raylet", "gcs_server",
-                "dashboard", "log_monitor", "monitor.py", "runtime_env", "default_worker"):
+    for key in ("LLMReplica", "OpenAIIngress", "ProxyActor", "ModeController", "ServeController", "HAProxyManager",
+                "haproxy", "raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env",
+                "default_worker"):
         if key in name:
             return key
     return "other: " + name[:60]
 
 
-PER_CHUNK = ("OpenAIIngress", "ProxyActor", "benchmark client")  # work on every streamed chunk
+PER_CHUNK = ("OpenAIIngress", "ProxyActor", "haproxy", "benchmark client")  # work on every streamed chunk
 
 
 def cpu_by_group() -> dict:

@@ -71,26 +71,27 @@ def test_build_app_validates_its_args():
 
 def test_ray_env_puts_haproxy_in_front_and_own_ports_frees_its_fixed_ones(monkeypatch):
     """ray[serve] installs HAProxy on Linux, so RAY_ENV turns it on; a process that starts a Ray
-    of its own beside another (tests, benchmarks) gets free stats and metrics ports each time."""
+    of its own beside another (tests, benchmarks) gets free ports for HAProxy's stats and
+    metrics and the fallback proxy, and a window of its own for the ingress replicas' ports."""
     import os
     import sys
 
-    from serve_app.serving.config import HAPROXY_PORTS as ports
-    from serve_app.serving.config import RAY_ENV, set_ray_env
+    from serve_app.serving.config import DIRECT_INGRESS_PORT_WINDOWS, HAPROXY_PORTS, RAY_ENV, set_ray_env
 
     if sys.platform == "linux":
         assert RAY_ENV["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    for key in (*RAY_ENV, *ports):
+    windows = [k for low, high, _ in DIRECT_INGRESS_PORT_WINDOWS for k in (low, high)]
+    for key in (*RAY_ENV, *HAPROXY_PORTS, *windows):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")  # set by hand: kept
     set_ray_env()
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"
     assert all(os.environ[k] == v for k, v in RAY_ENV.items() if k != "RAY_SERVE_PROXY_USE_GRPC")
-    assert not any(k in os.environ for k in ports)  # a plain run keeps Serve's fixed ports
+    assert not any(k in os.environ for k in (*HAPROXY_PORTS, *windows))  # a plain run keeps Serve's ports
     if RAY_ENV.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-        set_ray_env(own_ports=True)
-        first = [int(os.environ[k]) for k in ports]
-        set_ray_env(own_ports=True)  # a child process of a process that set them picks again
-        again = [int(os.environ[k]) for k in ports]
-        assert len({*first, *again}) >= 6
-        assert not {8404, 9101, 8500, 9500} & {*first, *again}
+        for _ in range(3):  # a child process of a process that set them picks again
+            set_ray_env(own_ports=True)
+            ports = [int(os.environ[k]) for k in HAPROXY_PORTS]
+            assert len(set(ports)) == len(ports) and not {8404, 9101, 8500, 9500} & set(ports)
+            low, high = (int(os.environ[k]) for k in windows[:2])
+            assert 20000 <= low < high == low + 99 < 25000

@@ -7,7 +7,9 @@ sections are their own packages' models.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
 import socket
 from pathlib import Path
@@ -88,23 +90,41 @@ HAPROXY_PORTS = (
 )
 """The fixed ports of HAProxy mode that :func:`set_ray_env` frees with ``own_ports``."""
 
+DIRECT_INGRESS_PORT_WINDOWS = (  # (key of the lowest port, key of the highest, where the windows start)
+    ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", 20000),
+    ("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT", 25000),
+)
+"""Below Linux's ephemeral ports and above Ray's worker ports (10002-19999): 50 windows of 100 each."""
+
 
 def set_ray_env(own_ports: bool = False) -> None:
     """:data:`RAY_ENV` into this process's environment where unset, before it starts Ray.
 
     ``own_ports``: this process starts a Ray of its own, which may run beside another on this
-    machine (the tests, the benchmarks, the fault runs). HAProxy's stats page and Prometheus
-    exporter and Serve's fallback proxy behind it then take free ports rather than Serve's
-    fixed 8404, 9101, 8500 and 9500: a second HAProxy cannot bind the first two, and a second
-    fallback proxy shares the others (SO_REUSEPORT), so that either stack's HAProxy could fall
-    back to the other's."""
+    machine (the tests, the benchmarks, the fault runs). It then sets these, over any value
+    inherited, for HAProxy mode:
+
+    - HAProxy's stats page and Prometheus exporter and Serve's fallback proxy behind it take
+      free ports rather than Serve's fixed 8404, 9101, 8500 and 9500: a second HAProxy cannot
+      bind the first two, and a second fallback proxy would share the others (SO_REUSEPORT),
+      so that one stack's HAProxy could fall back into the other's app;
+    - the ingress replicas' own ports come from a window of 100 picked at random (one in 50)
+      rather than Serve's 30000-31000 (and 40000-41000 for gRPC), which every Ray's controller
+      hands out alone: a port one stack just released could otherwise go to the other's
+      ingress while the first stack's HAProxy still sends to it."""
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
-    if own_ports and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-        for key in HAPROXY_PORTS:
-            with socket.socket() as sock:
-                sock.bind(("", 0))
-                os.environ[key] = str(sock.getsockname()[1])
+    if not (own_ports and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"):
+        return
+    with contextlib.ExitStack() as held:  # all held open until all are picked: no port twice
+        socks = [held.enter_context(socket.socket()) for _ in HAPROXY_PORTS]
+        for key, sock in zip(HAPROXY_PORTS, socks, strict=True):
+            sock.bind(("", 0))
+            os.environ[key] = str(sock.getsockname()[1])
+    window = random.randrange(50)
+    for low_key, high_key, start in DIRECT_INGRESS_PORT_WINDOWS:
+        os.environ[low_key] = str(start + 100 * window)
+        os.environ[high_key] = str(start + 100 * window + 99)
 
 
 class StreamOptions(Strict):
