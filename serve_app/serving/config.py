@@ -65,8 +65,8 @@ def _haproxy_available() -> bool:
 RAY_ENV = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(256 * 2**20),
-    # HAProxy checks an ingress every 5 s, then twice 250 ms apart: it sees one draining within
-    # about 5.5 s, so a stopping ingress serves on for 8 s rather than Serve's 30.
+    # HAProxy checks an ingress every 5 s and confirms a failed check 250 ms later: it sees one
+    # draining within about 5.5 s, so a stopping ingress serves on for 8 s rather than Serve's 30.
     **(
         {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "8"}
         if _haproxy_available()
