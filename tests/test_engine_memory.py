@@ -1,6 +1,7 @@
 """The KV cache follows the load: nothing when idle, grown in chunks by steps that need more,
 shrunk when sequences leave, with every slot's contents kept."""
 
+import psutil
 import torch
 
 from serve_app.engines.base import GenerateRequest, SamplingParams
@@ -53,6 +54,30 @@ def test_fit_shrinks_only_below_half_and_keeps_what_the_slots_hold():
     half = filled_cache(16, 512)
     assert not half.fit(8, 512)  # exactly half: kept for the next arrivals
     assert half.fit(8, 256) and (half.rows, half.length) == (8, 256)
+
+
+def test_fit_hands_the_pages_outside_its_bound_back():
+    cache = filled_cache(20, 700)  # 24 slots of 768 positions in bound, 20 x 700 written
+    kept = held(cache, 6, 300)
+    assert cache.fit(6, 300)  # 8 slots of 512 positions
+    assert all(torch.equal(a, b) for a, b in zip(kept, held(cache, 6, 300), strict=True))
+    assert all(not t[8:].any() and not t[:, :, 512:].any() for t in cache.k + cache.v)  # zeros again
+
+
+def test_growing_copies_nothing_and_a_release_lowers_the_rss():
+    mib = 1 << 20
+    cache = KVCache(1, 32, 2, 2048, 64, "cpu", torch.float32)  # 32 MiB of keys, 32 of values
+    cache.reserve(8, 256)
+    k0 = cache.k[0]
+    rss = psutil.Process().memory_info().rss
+    cache.reserve(32, 2048)
+    assert cache.k[0] is k0  # the same tensor: growing moved nothing
+    for t in cache.k + cache.v:
+        t.fill_(1.0)
+    written = psutil.Process().memory_info().rss
+    assert written - rss > 56 * mib
+    assert cache.fit(0, 0) and cache.nbytes() == 0
+    assert written - psutil.Process().memory_info().rss > 56 * mib
 
 
 def test_the_engine_cache_grows_with_the_requests_and_is_released_when_they_finish():

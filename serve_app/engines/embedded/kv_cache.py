@@ -1,16 +1,21 @@
-"""A slot KV cache: one row per running sequence, kept compact, sized to what runs.
+"""A slot KV cache: one row per running sequence, kept compact, holding memory only where it is written.
 
 Running sequences always occupy slots 0..B-1, so a decode step reads the cache as a
 view (``k[:B, :, :L]``) instead of gathering. When a sequence leaves, the last slot's
 contents move into its place: one copy per finished request, none per step.
 
-Memory follows the load: a layer's keys are one tensor [rows, KV, length, D] that grows
-in chunks of slots and positions when a step needs more (``reserve``) and shrinks when
-the running sequences need less than half of it (``fit``); an idle engine holds none. A resize
-copies what the slots hold, one layer at a time, so it briefly needs one layer more. On
-the CPU each layer is an anonymous mapping of its own, returned whole when it is freed; after
-a shrink glibc is also asked to return the free heap the steps' activations left (without
-that, SmolLM2 stayed at 1.8 GB after 32 requests of 256 tokens instead of 1.2 GB).
+Memory follows the load without copies. On the CPU a layer's keys are one tensor
+[num_slots, KV, capacity, D] over an anonymous mapping of its own: the whole shape is
+address space, and a page costs memory only once a step writes it (attention reads a
+sequence's keys up to its position, and never-written pages read as zeros). So a step that
+needs more slots or positions costs nothing but the pages it writes, where a cache that
+reallocated and copied its layers stalled a step for 0.1 to 0.4 s at 24 to 32 slots. ``rows``
+and ``length`` bound what has been written (in chunks of slots and positions); ``fit`` hands
+the pages outside a smaller bound back to the system (``madvise(MADV_DONTNEED)``; they read as
+zeros again) when the running sequences need less than half of it, and an idle engine holds
+none. After a release glibc is also asked to return the free heap the steps' activations left
+(without that, SmolLM2 stayed at 1.8 GB after 32 requests of 256 tokens instead of 1.2 GB).
+On other devices the cache is allocated whole, zeros, by the first step that needs it, and kept.
 """
 
 from __future__ import annotations
@@ -51,22 +56,26 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, capacity: int,
                  head_dim: int, device, dtype):
-        self.num_slots, self.capacity = num_slots, padded_length(capacity)  # attention reads whole blocks
+        self.num_layers, self.num_slots = num_layers, num_slots
+        self.capacity = padded_length(capacity)  # attention reads whole blocks
         self.num_kv_heads, self.head_dim, self.device, self.dtype = num_kv_heads, head_dim, device, dtype
-        self.rows = self.length = 0  # what is allocated now
-        self.k = [self._zeros(0, 0) for _ in range(num_layers)]
-        self.v = [self._zeros(0, 0) for _ in range(num_layers)]
+        self.rows = self.length = 0  # the bound of what may be written: slots 0..rows-1, positions 0..length-1
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._maps: list[mmap.mmap] = []  # on the CPU: each layer's mapping, k then v
 
-    def _zeros(self, rows: int, length: int) -> torch.Tensor:
-        # Zeros, not empty: attention reads masked keys too, and 0 x NaN would not weigh 0.
-        shape = (rows, self.num_kv_heads, length, self.head_dim)
-        nbytes = rows * self.num_kv_heads * length * self.head_dim * self.dtype.itemsize
-        if torch.device(self.device).type != "cpu" or nbytes == 0:
-            return torch.zeros(shape, device=self.device, dtype=self.dtype)
-        # On the CPU, a mapping of its own: its pages are zero until written, cost nothing
-        # until then, and go back to the system when the layer is freed (from the C heap,
-        # freed layers would stay resident).
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=self.dtype).view(shape)
+    def _allocate(self) -> None:
+        shape = (self.num_slots, self.num_kv_heads, self.capacity, self.head_dim)
+        if torch.device(self.device).type != "cpu":
+            # Zeros, not empty: attention reads masked keys too, and 0 x NaN would not weigh 0.
+            self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
+            self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
+            return
+        nbytes = self.num_slots * self.num_kv_heads * self.capacity * self.head_dim * self.dtype.itemsize
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # private: MADV_DONTNEED frees it (shared keeps it)
+        self._maps = [mmap.mmap(-1, nbytes, flags=flags) for _ in range(2 * self.num_layers)]
+        tensors = [torch.frombuffer(m, dtype=self.dtype).view(shape) for m in self._maps]
+        self.k, self.v = tensors[:self.num_layers], tensors[self.num_layers:]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
@@ -76,29 +85,40 @@ class KVCache:
         if num_rows > self.num_slots or length > self.capacity:
             raise ValueError(f"{num_rows} slots of {length} positions exceed the cache's "
                              f"{self.num_slots} of {self.capacity}")
-        if num_rows > self.rows or length > self.length:
-            self._resize(max(self.rows, _chunked(num_rows, ROW_CHUNK, self.num_slots)),
-                         max(self.length, _chunked(length, POS_CHUNK, self.capacity)))
+        if not self.k:
+            self._allocate()
+        self.rows = max(self.rows, _chunked(num_rows, ROW_CHUNK, self.num_slots))
+        self.length = max(self.length, _chunked(length, POS_CHUNK, self.capacity))
 
     def fit(self, num_rows: int, length: int) -> bool:
-        """Shrink to slots 0..num_rows-1 holding ``length`` positions (in chunks) when that is
-        less than half of what is allocated; returns whether it shrank."""
+        """Hand back what lies outside slots 0..num_rows-1 and ``length`` positions (in chunks)
+        when that bound is less than half of the present one; returns whether it released."""
         rows, length = _chunked(num_rows, ROW_CHUNK, self.num_slots), _chunked(length, POS_CHUNK, self.capacity)
         if 2 * rows * length >= self.rows * self.length:  # at half or more: keep it, for the next arrivals
             return False
-        self._resize(rows, length)
+        if self._maps:
+            self._release(rows, length)
+        self.rows, self.length = rows, length
         release_free_heap()
         return True
 
-    def _resize(self, rows: int, length: int) -> None:
-        r, n = min(rows, self.rows), min(length, self.length)
-        for store in (self.k, self.v):
-            for i, old in enumerate(store):
-                new = self._zeros(rows, length)
-                new[:r, :, :n] = old[:r, :, :n]
-                store[i] = new
-                del old
-        self.rows, self.length = rows, length
+    def _release(self, rows: int, length: int) -> None:
+        """madvise(MADV_DONTNEED) on each layer: slots from ``rows`` on, and positions from
+        ``length`` on in the slots below (page-aligned; what a page straddles is kept)."""
+        item = self.dtype.itemsize
+        pos_bytes = self.head_dim * item
+        head_bytes = self.capacity * pos_bytes
+        row_bytes = self.num_kv_heads * head_bytes
+        ranges = [(rows * row_bytes, self.rows * row_bytes)]
+        if length < self.length:
+            starts = [r * row_bytes + h * head_bytes for r in range(rows) for h in range(self.num_kv_heads)]
+            ranges += [(a + length * pos_bytes, a + self.length * pos_bytes) for a in starts]
+        page = mmap.PAGESIZE
+        ranges = [(-(-a // page) * page, b // page * page) for a, b in ranges]
+        ranges = [(a, b - a) for a, b in ranges if b > a]
+        for m in self._maps:
+            for start, size in ranges:
+                m.madvise(mmap.MADV_DONTNEED, start, size)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
@@ -108,5 +128,8 @@ class KVCache:
                 v[dst, :, :length] = v[src, :, :length]
 
     def nbytes(self) -> int:
-        """Bytes allocated now, keys and values."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes the cache may hold: its keys and values within ``rows`` and ``length`` (on other
+        devices than the CPU, the whole allocation once made)."""
+        if self.k and not self._maps:
+            return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return 2 * self.num_layers * self.rows * self.num_kv_heads * self.length * self.head_dim * self.dtype.itemsize
