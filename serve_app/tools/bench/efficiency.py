@@ -16,6 +16,7 @@ in the measured window, ``--settle-s`` of warm-up, ``--measure-s`` measured) and
 same thing: output tokens delivered in the window. The engine processes stay up, idle, while
 the stack runs, and the stack idles while they run, so each side has the machine to itself.
 ``--repeats N`` alternates N windows a side per point (engines, stack, stack, engines, ...).
+The stack's side reads ``GET /v1/speculation`` once a second, to report the mode it ran.
 Efficiency is the stack's tokens/s over the engines'; a row per (concurrency, policy).
 """
 
@@ -166,7 +167,8 @@ async def measure(target: Target, engines: Engines, args: argparse.Namespace, re
     prompts = prompt_messages(args.prompt_set.split(","))
     rows = []
     sides = [s for r in range(args.repeats) for s in (("engines", "stack") if r % 2 == 0 else ("stack", "engines"))]
-    async with Poller(target) as poller:
+    # Once a second: a poll costs the stack ~8 ms of CPU, which its engines' side does not pay.
+    async with Poller(target, every_s=1.0) as poller:
         await asyncio.gather(*(target.chat(i, prompts[i], 8, True) for i in range(2)))
         with tqdm(total=len(args.concurrency) * len(args.policies) * len(sides), desc="bench efficiency",
                   unit="window", file=sys.stderr) as bar:
