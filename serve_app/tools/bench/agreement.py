@@ -124,13 +124,13 @@ def measure(args, formats: list[str]) -> dict:
     texts = [prompt_set[i % len(prompt_set)] for i in range(n)]
     reference, build_s, decode_s = _generate(args, "float32", texts)
     ref = {"output_tokens": sum(len(o) for o in reference), "lengths": [len(o) for o in reference],
-           "build_s": round(build_s, 2), "decode_s": round(decode_s, 2)}
+           "build_s": round(build_s, 2), "decode_s": round(decode_s, 4)}
     compared = {}
     for weights in formats:
         outputs, build_s, decode_s = _generate(args, weights, texts)
         compared[weights] = {**compare(reference, outputs), "output_tokens": sum(len(o) for o in outputs),
                              "lengths": [len(o) for o in outputs],
-                             "build_s": round(build_s, 2), "decode_s": round(decode_s, 2)}
+                             "build_s": round(build_s, 2), "decode_s": round(decode_s, 4)}
     return {
         "model": args.model, "torch": torch.__version__, "num_threads": args.num_threads,
         "prompt_set": args.prompt_set, "num_prompts": n, "batch": args.batch, "max_tokens": args.max_tokens,
