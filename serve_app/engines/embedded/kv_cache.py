@@ -8,8 +8,8 @@ Memory follows the load without copies. On the CPU a layer's keys are one tensor
 [num_slots, KV, capacity, D] over an anonymous mapping of its own: the whole shape is
 address space, and a page costs memory only once a step writes it (attention reads a
 sequence's keys up to its position, and never-written pages read as zeros). So a step that
-needs more slots or positions costs nothing but the pages it writes, where a cache that
-reallocated and copied its layers stalled a step for 0.1 to 0.4 s at 24 to 32 slots. ``rows``
+needs more slots or positions costs nothing but the pages it writes (reallocating the layers
+and copying the slots over instead stalls a step 0.1 to 0.4 s at 24 to 32 slots). ``rows``
 and ``length`` bound what has been written (in chunks of slots and positions); ``fit`` hands
 the pages outside a smaller bound back to the system (``madvise(MADV_DONTNEED)``; they read as
 zeros again) when the running sequences need less than half of it, and an idle engine holds

@@ -4,8 +4,9 @@ Builds the embedded engine a serve config describes (``configs/local.yaml`` by d
 in this process as a replica does, and reads this process's RSS: once started and idle,
 every 0.2 s while ``--concurrency`` greedy requests of exactly ``--max-tokens`` tokens run
 at once (the peak), and ``--settle-s`` after they finish. The KV cache's bound (the bytes
-it may hold written) comes alongside each figure; the result prints as a table, then as one line of JSON. A
-replica also imports Ray and Serve: ``--with-ray`` imports them first, to count them too.
+it may hold written) comes alongside each figure; the result prints as a table, then as one
+line of JSON. A replica also imports Ray and Serve: ``--with-ray`` imports them first, to
+count them too.
 """
 
 from __future__ import annotations
