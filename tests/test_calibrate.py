@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from serve_app.control.config import PolicyConfig
 from serve_app.control.policy import raw_tier, target_tier
 from serve_app.serving.config import AppArgs
-from serve_app.tools.calibrate import crossover, derive_tiers, fit_margin, main, plain_crossovers
+from serve_app.tools.calibrate import crossover, derive_tiers, fit_margin, main, plain_crossovers, window_noise
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -36,6 +36,18 @@ def test_the_ladder_steps_down_where_fewer_steps_start_to_win():
 def test_a_tier_that_never_wins_is_left_out_and_noise_never_climbs_back_up():
     tps = {4: {1: 50, 2: 60, 4: 40, 8: 70}, 2: {1: 40, 2: 50, 4: 45, 8: 60}, 0: {1: 30, 2: 55, 4: 80, 8: 65}}
     assert [t["num_steps"] for t in derive_tiers(tps)] == [4, 0]  # 4 wins again at 8: ignored
+
+
+def test_a_lead_inside_the_windows_spread_keeps_the_deeper_tier():
+    tps = {3: {1: 326.6, 2: 500.4, 3: 478.7}, 1: {1: 333.8, 2: 492.0, 3: 644.2}, 0: {1: 267.2, 2: 443.9, 3: 496.4}}
+    rows = [{"load_per_replica": load, "window_tokens_per_s": w}
+            for load, w in [(1, [352.8, 300.3]), (1, [328.2, 339.4]), (2, [511.8, 489.0]), (3, [682.0, 606.4])]]
+    noise = window_noise(rows)
+    assert noise == pytest.approx({1: 26.25, 2: 11.4, 3: 37.8})
+    assert [t["num_steps"] for t in derive_tiers(tps)] == [1, 0]  # 1 step's 2 % lead at load 1 drops 3 steps
+    assert [t["num_steps"] for t in derive_tiers(tps, noise)] == [3, 1, 0]  # inside 3 steps' spread: a tie
+    assert derive_tiers(tps, noise)[0]["below"] == 2.0  # 1 step overtakes 3 between loads 2 and 3
+    assert window_noise([{"load_per_replica": 1, "window_tokens_per_s": [300.0]}]) == {1: 0.0}  # one window
 
 
 def test_without_a_crossover_the_ladder_says_so_in_its_bounds():

@@ -18,7 +18,11 @@ pooled as ``bench serve`` pools them, so a drift over a load weighs on every k a
 
 From the tokens/s table it builds the ladder: walking up the loads, a tier ends where a
 tier with fewer steps starts to win; the boundary is the crossover, interpolated linearly
-between the two loads around it. A speculative tier that never wins is left out. The policy
+between the two loads around it. A speculative tier that never wins is left out. With
+``--repeats`` of 2 or more, a lead no larger than the noise at that load (half the widest
+spread between one num_steps' windows there) is a tie, and a tie goes to more steps: a tier
+ends only where fewer steps win by more than the windows disagree among themselves, so a
+ladder does not lose its deepest tier to a 2 % lead inside a 16 % spread. The policy
 file keeps the config's dwell and intervals and replaces the tiers; it keeps the config's
 margin too, cut to a quarter of the ladder's narrowest band (from load 0 to the first
 boundary, or between two boundaries; rounded to two decimals), so that the middle half of
@@ -88,13 +92,22 @@ def crossover(a: dict[float, float], b: dict[float, float], lo: float, hi: float
     return lo + (hi - lo) * min(1.0, -d_lo / (d_hi - d_lo))
 
 
-def derive_tiers(tps: dict[int, dict[float, float]]) -> list[dict]:
+def derive_tiers(tps: dict[int, dict[float, float]], noise: dict[float, float] | None = None) -> list[dict]:
     """The ladder from tokens/s by num_steps and load per replica (see the module docstring).
 
-    Ties go to fewer steps. If speculation wins at every load measured, plain decoding takes
-    over past the largest load measured (measure further to place it)."""
+    ``noise`` (tokens/s by load, see ``window_noise``): a lead up to it is a tie, and ties
+    within it go to more steps. Without noise, exact ties go to fewer steps. If speculation
+    wins at every load measured, plain decoding takes over past the largest load measured
+    (measure further to place it)."""
     loads = sorted(set.intersection(*(set(v) for v in tps.values())))
-    winners = [max(sorted(tps), key=lambda k: (tps[k][load], -k)) for load in loads]
+    noise = noise or {}
+
+    def winner(load: float) -> int:
+        best = max(sorted(tps), key=lambda k: (tps[k][load], -k))
+        tol = noise.get(load, 0.0)
+        return max(k for k in tps if tps[k][load] >= tps[best][load] - tol) if tol > 0 else best
+
+    winners = [winner(load) for load in loads]
     ladder, bounds = [winners[0]], []
     for prev, load, w in zip(loads, loads[1:], winners[1:], strict=False):
         if w < ladder[-1]:  # only ever fewer steps as the load rises
@@ -121,6 +134,17 @@ def fit_margin(margin: float, bounds: list[float]) -> float:
     edges = [0.0, *bounds]
     narrowest = min(b - a for a, b in zip(edges, edges[1:], strict=False))
     return min(margin, round(MARGIN_SHARE * narrowest, 2))
+
+
+def window_noise(rows: list[dict]) -> dict[float, float]:
+    """Per load per replica: half the widest spread (tokens/s) between one num_steps' windows,
+    0 where a load ran one window per num_steps."""
+    noise: dict[float, float] = {}
+    for r in rows:
+        w = r.get("window_tokens_per_s") or []
+        spread = (max(w) - min(w)) / 2 if len(w) > 1 else 0.0
+        noise[r["load_per_replica"]] = max(noise.get(r["load_per_replica"], 0.0), spread)
+    return noise
 
 
 def plain_crossovers(tps: dict[int, dict[float, float]]) -> dict[str, float | None]:
@@ -175,7 +199,7 @@ def calibrate(measured: dict, args: argparse.Namespace) -> dict:
     tps: dict[int, dict[float, float]] = {}
     for r in measured["rows"]:
         tps.setdefault(r["num_steps"], {})[r["load_per_replica"]] = r["output_tokens_per_s"]
-    tiers = derive_tiers(tps)
+    tiers = derive_tiers(tps, window_noise(measured["rows"]))
     policy = PolicyConfig.model_validate(measured["policy"] | {"tiers": tiers})
     policy = policy.model_copy(update={"margin": fit_margin(policy.margin, policy.bounds)})
     return {"tiers": tiers, "crossovers": plain_crossovers(tps), "policy": policy.model_dump()}
@@ -215,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         tps = {r["num_steps"]: r["output_tokens_per_s"] for r in measured["rows"] if r["load_per_replica"] == load}
         print(f"{load:>6g} " + " ".join(f"{tps[k]:>9.1f}" for k in steps))
     print(f"crossovers (plain overtakes k at load): {result['crossovers']}")
+    noise = {load: round(v, 1) for load, v in sorted(window_noise(measured["rows"]).items()) if v}
+    if noise:
+        print(f"noise (tok/s by load; a lead up to it is a tie, which keeps more steps): {noise}")
     if result["policy"]["margin"] < measured["policy"]["margin"]:
         print(f"margin {measured['policy']['margin']:g} cut to {result['policy']['margin']:g}: "
               f"{MARGIN_SHARE:g} of the ladder's narrowest band")
