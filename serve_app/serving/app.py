@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from serve_app.serving.config import AppArgs
 from serve_app.serving.ingress import OpenAIIngress
@@ -19,6 +20,7 @@ from serve_app.serving.replica import LLMReplica
 
 REPLICA_DEPLOYMENT = "LLMReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+LEAST_LOADED_ROUTER = "serve_app.serving.routing.LeastLoadedRouter"
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
@@ -30,8 +32,14 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         if args.autoscaling_config is not None
         else {"num_replicas": args.num_replicas}
     )
+    routing: dict[str, Any] = (
+        {"request_router_config": RequestRouterConfig(request_router_class=LEAST_LOADED_ROUTER)}
+        if args.request_router == "least_loaded"
+        else {}
+    )
     replica = LLMReplica.options(
         name=REPLICA_DEPLOYMENT,
+        **routing,
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.limits.max_queued_requests,
         ray_actor_options=args.replica_ray_actor_options,

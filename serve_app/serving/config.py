@@ -164,6 +164,11 @@ class AppArgs(Strict):
         description="How the ingress reaches the replicas: Serve's gRPC data plane, or Ray actor calls "
         "(objects by reference). See docs/serving.md#transport.",
     )
+    request_router: Literal["least_loaded", "power_of_two"] = Field(
+        default="least_loaded",
+        description="How an ingress picks a replica: the fewest of its requests in flight there "
+        "(serve_app.serving.routing), or Serve's power of two choices. See docs/serving.md#routing.",
+    )
     admin_token_env: str = Field(default="SPECSERVE_ADMIN_TOKEN", min_length=1)
     served_model_name: str | None = Field(default=None, description="Model name clients use; default: the engine's.")
 

@@ -1,0 +1,66 @@
+"""serve_app.serving.routing: an ingress spreads a burst evenly over the replicas."""
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from serve_app.serving.app import LEAST_LOADED_ROUTER, build_app
+from serve_app.serving.config import AppArgs
+
+
+@pytest.fixture(scope="module")
+def front(serve_http):
+    """An ingress over two replicas of a deployment that holds each request for the seconds it
+    is given and answers with its replica's id, routed by the least-loaded router. The
+    ingress sends a plan of groups of requests, each group sent at once, without waiting
+    between groups, and answers with each group's replica ids."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    @serve.deployment(num_replicas=2, max_ongoing_requests=64, ray_actor_options={"num_cpus": 0},
+                      request_router_config=RequestRouterConfig(request_router_class=LEAST_LOADED_ROUTER))
+    class Hold:
+        async def __call__(self, seconds: float) -> str:
+            await asyncio.sleep(seconds)
+            return serve.get_replica_context().replica_id.unique_id
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Front:
+        def __init__(self, hold):
+            self._hold = hold
+
+        async def __call__(self, plan: list[tuple[int, float]]) -> list[list[str]]:
+            groups = [[self._hold.remote(seconds) for _ in range(n)] for n, seconds in plan]
+            return [[await r for r in group] for group in groups]
+
+    handle = serve.run(Front.bind(Hold.bind()), name="routing-hold", route_prefix=None)
+    handle.remote([(2, 0.0)]).result()  # both replicas known to the router before a burst
+    yield handle
+    serve.delete("routing-hold")
+
+
+def test_a_burst_is_split_evenly_and_finished_requests_stop_counting(front):
+    for _ in range(2):  # the second burst comes after the first finished: nothing left counted
+        (ids,) = front.remote([(16, 1.0)]).result()
+        assert sorted(Counter(ids).values()) == [8, 8]
+
+
+def test_requests_in_flight_count_against_their_replica(front):
+    first, (lone,), rest = front.remote([(6, 2.0), (1, 3.0), (5, 1.0)]).result()
+    assert sorted(Counter(first).values()) == [3, 3]
+    # the lone one tips a replica to 4; of the 5 after it, 1 evens them and 4 go 2 and 2: 6 each
+    assert sorted(Counter(first + [lone] + rest).values()) == [6, 6]
+    assert Counter(rest)[lone] == 2
+
+
+def _replica_router(args: dict) -> str:
+    replica = build_app(args)._bound_deployment.init_args[0]._bound_deployment
+    return replica._deployment_config.request_router_config.request_router_class
+
+
+def test_the_replicas_are_routed_least_loaded_unless_the_config_asks_for_serves_default():
+    assert _replica_router({}) == LEAST_LOADED_ROUTER
+    assert _replica_router({"request_router": "power_of_two"}).endswith("PowerOfTwoChoicesRequestRouter")
+    with pytest.raises(ValueError, match="request_router"):
+        AppArgs.model_validate({"request_router": "round_robin"})
