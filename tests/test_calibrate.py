@@ -48,6 +48,11 @@ def test_a_lead_inside_the_windows_spread_keeps_the_deeper_tier():
     assert [t["num_steps"] for t in derive_tiers(tps, noise)] == [3, 1, 0]  # inside 3 steps' spread: a tie
     assert derive_tiers(tps, noise)[0]["below"] == 2.0  # 1 step overtakes 3 between loads 2 and 3
     assert window_noise([{"load_per_replica": 1, "window_tokens_per_s": [300.0]}]) == {1: 0.0}  # one window
+    # 1 step leads at load 1 by 10, inside the noise of 20: 3 steps hold load 1, and their tier
+    # ends where 1 step's lead outgrows the noise (10 behind it at 1, 95 ahead at 2), not at 1
+    tied = {3: {1: 300, 2: 300}, 1: {1: 310, 2: 400}, 0: {1: 100, 2: 100}}
+    assert derive_tiers(tied, {1: 20, 2: 5})[0] == {"below": 1.1, "num_steps": 3}
+    assert crossover(tied[3], tied[1], 1, 2) == 1  # without the noise: 1 step is ahead at 1
 
 
 def test_without_a_crossover_the_ladder_says_so_in_its_bounds():

@@ -1,6 +1,7 @@
 """serve_app.serving.routing: an ingress spreads a burst evenly over the replicas."""
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -9,8 +10,7 @@ from serve_app.serving.app import LEAST_LOADED_ROUTER, build_app
 from serve_app.serving.config import AppArgs
 
 
-@pytest.fixture(scope="module")
-def front(serve_http):
+def _deploy_front(name: str, max_ongoing_requests: int):
     """An ingress over two replicas of a deployment that holds each request for the seconds it
     is given and answers with its replica's id, routed by the least-loaded router. The
     ingress sends a plan of groups of requests, each group sent at once, without waiting
@@ -18,7 +18,7 @@ def front(serve_http):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    @serve.deployment(num_replicas=2, max_ongoing_requests=64, ray_actor_options={"num_cpus": 0},
+    @serve.deployment(num_replicas=2, max_ongoing_requests=max_ongoing_requests, ray_actor_options={"num_cpus": 0},
                       request_router_config=RequestRouterConfig(request_router_class=LEAST_LOADED_ROUTER))
     class Hold:
         async def __call__(self, seconds: float) -> str:
@@ -34,9 +34,16 @@ def front(serve_http):
             groups = [[self._hold.remote(seconds) for _ in range(n)] for n, seconds in plan]
             return [[await r for r in group] for group in groups]
 
-    handle = serve.run(Front.bind(Hold.bind()), name="routing-hold", route_prefix=None)
+    handle = serve.run(Front.bind(Hold.bind()), name=name, route_prefix=None)
     handle.remote([(2, 0.0)]).result()  # both replicas known to the router before a burst
-    yield handle
+    return handle
+
+
+@pytest.fixture(scope="module")
+def front(serve_http):
+    from ray import serve
+
+    yield _deploy_front("routing-hold", 64)
     serve.delete("routing-hold")
 
 
@@ -52,6 +59,19 @@ def test_requests_in_flight_count_against_their_replica(front):
     # the lone one tips a replica to 4; of the 5 after it, 1 evens them and 4 go 2 and 2: 6 each
     assert sorted(Counter(first + [lone] + rest).values()) == [6, 6]
     assert Counter(rest)[lone] == 2
+
+
+def test_requests_past_every_replicas_limit_wait_for_a_free_one(serve_http):
+    from ray import serve
+
+    narrow = _deploy_front("routing-narrow", 1)  # one request at a time per replica
+    try:
+        started = time.monotonic()
+        (ids,) = narrow.remote([(6, 0.5)]).result()
+        assert sorted(Counter(ids).values()) == [3, 3]
+        assert time.monotonic() - started >= 1.5  # three rounds of two
+    finally:
+        serve.delete("routing-narrow")
 
 
 def _replica_router(args: dict) -> str:

@@ -3,20 +3,22 @@ sent there and not seen finish, counting the choices it made and has not sent ye
 
 Serve's default router (power of two choices) keeps a cache of each replica's queue length
 that it raises when it sends a request and overwrites with the length a replica reports when
-it accepts one. A routing task that finds a cached length routes the next pending request
-without waiting, before the request it just routed is sent and counted, so a burst that
-queues up in the router within one turn of its event loop goes to one replica; and a
-replica's report, taken before the requests sent to it since have arrived, lowers the count
-again. Requests of one length that start together end together, so under plain decoding a
-closed loop of clients sends such bursts all the time: a replica ran 25 requests and the
-other 7 for a whole wave of 32 clients (docs/benchmarks.md).
+it accepts one. A routing task that finds both lengths cached routes the next pending request
+without waiting, before the request it just routed is sent and counted, so the requests of a
+burst that queues up in the router within one turn of its event loop all see the same
+lengths: they go to the shorter queue, or at random between equal ones; and a replica's
+report, taken before the requests sent to it since have arrived, lowers its count again.
+Requests of one length that start together end together, so under plain decoding a closed
+loop of clients sends such bursts all the time: a replica ran 25 requests and the other 7 for
+a whole wave of 32 clients (docs/benchmarks.md).
 
-This router counts what it sends (``on_send_request``, ``on_request_completed``: every
-dispatched request fires each once) plus the choices it has made and not yet sent, so every
-choice in a burst sees the ones before it. It ranks every replica by that count (ties in
-random order), so a replica that refuses a request (Serve's ``max_ongoing_requests``) passes
-it to the next. Each ingress balances its own requests; with one ingress per node, the
-replicas' totals are the sum of balanced shares.
+This router counts what it sends (``on_send_request``, then ``on_request_completed`` when the
+request ends, however it ends) plus the choices it has made and not yet sent, so every choice
+in a burst sees the ones before it. It ranks every replica by that count (ties in random
+order), so a replica that refuses a request (Serve's ``max_ongoing_requests``) passes it to
+the next; when all refuse, the routing task backs off as Serve's own router does. Each
+ingress balances its own requests; with one ingress per node, the replicas' totals are the
+sum of balanced shares.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class LeastLoadedRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:  # back off between rounds in which every replica refused
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
         now = time.monotonic()
@@ -70,6 +74,13 @@ class LeastLoadedRouter(FIFOMixin, RequestRouter):
             self._sent[replica_id] -= 1
         else:
             self._sent.pop(replica_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for counts in (self._sent, self._chosen):
+            for gone in [r for r in counts if r not in live]:
+                del counts[gone]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

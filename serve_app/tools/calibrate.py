@@ -21,8 +21,9 @@ tier with fewer steps starts to win; the boundary is the crossover, interpolated
 between the two loads around it. A speculative tier that never wins is left out. With
 ``--repeats`` of 2 or more, a lead no larger than the noise at that load (half the widest
 spread between one num_steps' windows there) is a tie, and a tie goes to more steps: a tier
-ends only where fewer steps win by more than the windows disagree among themselves, so a
-ladder does not lose its deepest tier to a 2 % lead inside a 16 % spread. The policy
+ends only where fewer steps win by more than the windows disagree among themselves (where
+a tier held a load on a tie, its boundary is where the lead outgrows the noise), so a ladder
+does not lose its deepest tier to a 2 % lead inside a 16 % spread. The policy
 file keeps the config's dwell and intervals and replaces the tiers; it keeps the config's
 margin too, cut to a quarter of the ladder's narrowest band (from load 0 to the first
 boundary, or between two boundaries; rounded to two decimals), so that the middle half of
@@ -84,9 +85,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 # -- from measurements to a ladder (pure) ------------------------------------------------
-def crossover(a: dict[float, float], b: dict[float, float], lo: float, hi: float) -> float:
-    """The load in [lo, hi] where ``b`` overtakes ``a`` (tokens/s by load), linearly interpolated."""
+def crossover(a: dict[float, float], b: dict[float, float], lo: float, hi: float,
+              noise: dict[float, float] | None = None) -> float:
+    """The load in [lo, hi] where ``b`` overtakes ``a`` (tokens/s by load), linearly interpolated.
+
+    Where ``b`` already leads at ``lo`` but by no more than ``noise`` there (``a`` held ``lo``
+    on a tie), the load where ``b``'s lead outgrows the noise instead."""
     d_lo, d_hi = b[lo] - a[lo], b[hi] - a[hi]
+    noise = noise or {}
+    if d_lo >= 0 and noise.get(lo, 0.0) > 0:
+        d_lo, d_hi = d_lo - noise[lo], d_hi - noise.get(hi, 0.0)
     if d_lo >= 0 or d_hi <= d_lo:
         return lo
     return lo + (hi - lo) * min(1.0, -d_lo / (d_hi - d_lo))
@@ -111,7 +119,7 @@ def derive_tiers(tps: dict[int, dict[float, float]], noise: dict[float, float] |
     ladder, bounds = [winners[0]], []
     for prev, load, w in zip(loads, loads[1:], winners[1:], strict=False):
         if w < ladder[-1]:  # only ever fewer steps as the load rises
-            bounds.append(crossover(tps[ladder[-1]], tps[w], prev, load))
+            bounds.append(crossover(tps[ladder[-1]], tps[w], prev, load, noise))
             ladder.append(w)
     if ladder[-1] != 0:
         bounds.append(loads[-1])
