@@ -207,10 +207,12 @@ def calibrate(measured: dict, args: argparse.Namespace) -> dict:
     tps: dict[int, dict[float, float]] = {}
     for r in measured["rows"]:
         tps.setdefault(r["num_steps"], {})[r["load_per_replica"]] = r["output_tokens_per_s"]
-    tiers = derive_tiers(tps, window_noise(measured["rows"]))
+    noise = window_noise(measured["rows"])
+    tiers = derive_tiers(tps, noise)
     policy = PolicyConfig.model_validate(measured["policy"] | {"tiers": tiers})
     policy = policy.model_copy(update={"margin": fit_margin(policy.margin, policy.bounds)})
-    return {"tiers": tiers, "crossovers": plain_crossovers(tps), "policy": policy.model_dump()}
+    return {"tiers": tiers, "crossovers": plain_crossovers(tps), "noise": {str(k): round(v, 1) for k, v in noise.items()},
+            "policy": policy.model_dump()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,9 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         tps = {r["num_steps"]: r["output_tokens_per_s"] for r in measured["rows"] if r["load_per_replica"] == load}
         print(f"{load:>6g} " + " ".join(f"{tps[k]:>9.1f}" for k in steps))
     print(f"crossovers (plain overtakes k at load): {result['crossovers']}")
-    noise = {load: round(v, 1) for load, v in sorted(window_noise(measured["rows"]).items()) if v}
-    if noise:
-        print(f"noise (tok/s by load; a lead up to it is a tie, which keeps more steps): {noise}")
+    if any(result["noise"].values()):
+        print(f"noise (tok/s by load; a lead up to it is a tie, which keeps more steps): {result['noise']}")
     if result["policy"]["margin"] < measured["policy"]["margin"]:
         print(f"margin {measured['policy']['margin']:g} cut to {result['policy']['margin']:g}: "
               f"{MARGIN_SHARE:g} of the ladder's narrowest band")
