@@ -78,11 +78,13 @@ class LeastLoadedRouter(FIFOMixin, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
-        for counts in (self._sent, self._chosen):
-            for gone in [r for r in counts if r not in live]:
-                del counts[gone]
+        for gone in {*self._sent, *self._chosen} - live:
+            self._forget(gone)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self._forget(replica_id)
+
+    def _forget(self, replica_id: ReplicaID) -> None:
         self._sent.pop(replica_id, None)
         self._chosen.pop(replica_id, None)
