@@ -129,6 +129,34 @@ def test_a_ramp_walks_down_the_ladder_and_back():
     assert 30 + LADDER.dwell_s <= down <= 30 + LADDER.dwell_s + LADDER.smoothing_s + 0.5
 
 
+def test_fall_dwell_holds_fewer_steps_through_a_dip_and_rise_keeps_dwell_s():
+    slow_fall = LADDER.model_copy(update={"fall_dwell_s": 8.0})
+
+    def burst_with_dips(t):  # a burst from 10 s to 50 s whose queue dips for 4 s twice
+        return 30.0 if 10 <= t < 50 and not (20 <= t < 24 or 32 <= t < 36) else 1.0
+
+    flaps = run(LADDER, burst_with_dips, 70.0)
+    assert [(a, b) for _, a, b in flaps] == [(5, 0), (0, 5), (5, 0), (0, 5), (5, 0), (0, 5)]
+    switches = run(slow_fall, burst_with_dips, 70.0)
+    assert [(a, b) for _, a, b in switches] == [(5, 0), (0, 5)]
+    rise, fall = switches[0][0], switches[1][0]
+    assert 10 + LADDER.dwell_s <= rise <= 10 + LADDER.dwell_s + LADDER.smoothing_s + 0.5  # as without it
+    assert 50 + 8.0 <= fall <= 50 + 8.0 + LADDER.smoothing_s + 0.5
+    assert slow_fall.history_s == 8.0 + LADDER.smoothing_s + 1.0
+
+
+def test_fall_dwell_unset_is_dwell_s_both_ways():
+    assert LADDER.fall_dwell_s is None and LADDER.history_s == LADDER.dwell_s + LADDER.smoothing_s + 1.0
+    same = LADDER.model_copy(update={"fall_dwell_s": LADDER.dwell_s})
+
+    def load(t):
+        return 1.0 if t < 10 else 30.0 if t < 30 else 1.0
+
+    assert run(same, load, 60.0) == run(LADDER, load, 60.0)
+    with pytest.raises(ValidationError, match="fall_dwell_s"):
+        PolicyConfig(fall_dwell_s=-1)
+
+
 def test_two_tier_on_off_is_the_special_case():
     on_off = PolicyConfig(tiers=[Tier(below=8, num_steps=4), Tier(num_steps=0)], dwell_s=0, min_switch_interval_s=0)
     assert decide(ModeState(4), history([10.0]), 0.0, on_off).num_steps == 0

@@ -31,13 +31,21 @@ class PolicyConfig(Strict):
 
     Load is the cluster queue (waiting + running over live replicas) divided by the number of
     live replicas. The load is averaged over ``smoothing_s``; a tier is left only when the
-    averaged load is past the tier's boundary by ``margin`` for ``dwell_s`` without a break,
-    and never sooner than ``min_switch_interval_s`` after the previous switch.
+    averaged load is past the tier's boundary by ``margin`` for ``dwell_s`` without a break
+    (``fall_dwell_s``, where set, for a switch to more draft steps after the load fell), and
+    never sooner than ``min_switch_interval_s`` after the previous switch.
     """
 
     tiers: list[Tier] = Field(default_factory=_default_tiers, min_length=1)
     margin: float = Field(default=1.0, ge=0, description="Hysteresis, in load-per-replica units.")
     dwell_s: float = Field(default=2.0, ge=0)
+    fall_dwell_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="The dwell before a switch to more draft steps (the load fell); null: dwell_s. Longer than "
+        "dwell_s, it keeps the dips of a queue near capacity from bringing speculation back in the middle of a "
+        "burst, while a rise still takes speculation away within dwell_s.",
+    )
     min_switch_interval_s: float = Field(default=5.0, ge=0)
     smoothing_s: float = Field(default=1.0, ge=0)
     engine_step_policy: Literal["fixed", "adaptive"] | None = Field(
@@ -76,7 +84,7 @@ class PolicyConfig(Strict):
     @property
     def history_s(self) -> float:
         """How much load history ``decide`` looks at (callers may drop older samples)."""
-        return self.dwell_s + self.smoothing_s + 1.0
+        return max(self.dwell_s, self.fall_dwell_s or 0.0) + self.smoothing_s + 1.0
 
     def tier_of(self, num_steps: int) -> int | None:
         """The index of the tier that runs ``num_steps`` (the lowest-load one), or None."""

@@ -7,7 +7,10 @@ The ladder (``PolicyConfig.tiers``) maps load per replica to a number of draft s
 things keep it from flapping:
 
 - hysteresis: a tier is left only when the load is past its boundary by ``margin``;
-- dwell: the (smoothed) load must have stayed past the boundary for ``dwell_s`` without a break;
+- dwell: the (smoothed) load must have stayed past the boundary for ``dwell_s`` without a break
+  (``fall_dwell_s``, where set, before a switch to more draft steps: a load that falls for a
+  moment near capacity costs little at fewer steps, a switch back to more steps while the
+  queue is still long costs the whole burst);
 - a minimum time between two switches.
 
 An operator override pins ``num_steps`` until it is released. After a release (or a policy
@@ -112,21 +115,22 @@ def decide(state: ModeState, samples: Sequence[LoadSample], now: float, config: 
     if state.last_switch_time is not None and now - state.last_switch_time < config.min_switch_interval_s:
         return Decision(state.num_steps, False, "min_interval", load, "too soon after the last switch")
 
-    # Dwell: the smoothed load at every sample in the last dwell_s has been past the current
+    # Dwell: the smoothed load at every sample in the last dwell has been past the current
     # tier's boundary on the same side, and the history reaches back that far.
     rising = target > current
-    if config.dwell_s > 0:
-        if samples[0].time > now - config.dwell_s:
+    dwell = config.dwell_s if rising or config.fall_dwell_s is None else config.fall_dwell_s
+    if dwell > 0:
+        if samples[0].time > now - dwell:
             return Decision(state.num_steps, False, "dwell", load, "not enough history yet")
-        for t in [s.time for s in samples if s.time >= now - config.dwell_s]:
+        for t in [s.time for s in samples if s.time >= now - dwell]:
             past = target_tier(smoothed_load(samples, t, config.smoothing_s), current, config)  # type: ignore[arg-type]
             if past == current or (past > current) != rising:
-                return Decision(state.num_steps, False, "dwell", load, "load not past the boundary for dwell_s")
+                return Decision(state.num_steps, False, "dwell", load, f"load not past the boundary for {dwell:g}s")
 
     k = config.tiers[target].num_steps
     bound = config.bounds[current] if rising else config.bounds[current - 1]
     sign = ">=" if rising else "<"
     detail = (
-        f"load {load:.2f}/replica {sign} {bound:g} {'+' if rising else '-'} {config.margin:g} for {config.dwell_s:g}s"
+        f"load {load:.2f}/replica {sign} {bound:g} {'+' if rising else '-'} {config.margin:g} for {dwell:g}s"
     )
     return Decision(k, k != state.num_steps, "load_rise" if rising else "load_fall", load, detail)
