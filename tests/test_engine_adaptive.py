@@ -102,3 +102,23 @@ async def _switch_step_policy():
             await engine.set_step_policy("sometimes")
     finally:
         await engine.shutdown()
+
+
+def test_a_step_that_resumes_drafting_leaves_its_cell_to_the_steps_that_go_on():
+    from serve_app.control.steps import StepPolicyConfig
+    from serve_app.engines.embedded.adaptive import StepChooser
+
+    chooser = StepChooser(StepPolicyConfig())
+    cells = chooser.cost.cells
+    chooser.observe(["a"], [1], [1], [True], 1, 0.030)  # "a" drafts for the first time: head catch-up
+    assert (1, 1) not in cells
+    chooser.observe(["a"], [1], [0], [True], 1, 0.012)  # drafting goes on
+    assert cells[(1, 1)][1] == pytest.approx(1.0)
+    chooser.observe(["a", "b"], [1, 1], [1, 1], [True, True], 1, 0.020)  # "b" is new
+    assert (2, 1) not in cells
+    chooser.observe(["a", "b"], [0, 0], [0, 0], [True, True], 0, 0.015)  # plain steps always count
+    chooser.observe(["a", "b"], [1, 1], [1, 1], [True, False], 1, 0.030)  # resumed after a plain step
+    assert cells.keys() == {(1, 1), (2, 0)}
+    chooser.observe(["a"], [1], [1], [True], 1, 0.012)
+    chooser.release("a")
+    assert cells[(1, 1)][1] > 1.5 and not chooser.drafting  # "b" finished, "a" released

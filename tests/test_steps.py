@@ -76,6 +76,46 @@ def test_step_cost_fits_base_per_row_and_per_draft_and_keeps_the_prior_shape_bef
     assert StepCost(prior_rows=4.0).seconds(4, 0) == pytest.approx(2.0)
 
 
+def kinked(b: int, k: int) -> float:
+    """A CPU-like step: linear in fed rows, except that one sequence's 2-position verify shares
+    its weight loads and costs little more than a plain step."""
+    return 0.0105 if (b, k) == (1, 1) else 0.010 + 0.002 * b * (1 + k)
+
+
+def learned(step_time, cells, rounds: int = 100, cost: StepCost | None = None) -> StepCost:
+    cost = cost or StepCost()
+    for _ in range(rounds):
+        for b, k in cells:
+            cost.observe(b, k, step_time(b, k))
+    return cost
+
+
+CELLS = [(1, 0), (1, 1), (1, 3), (2, 0), (2, 1), (4, 0), (4, 3)]
+
+
+def test_step_cost_cells_learn_the_shape_the_linear_model_misses():
+    cost = learned(kinked, CELLS)
+    assert cost.model(1, 1) > 1.2 * kinked(1, 1)  # the straight line cannot bend there
+    for b, k in CELLS:
+        assert cost.seconds(b, k) == pytest.approx(kinked(b, k), rel=0.03)
+    assert cost.seconds(8, 2) == cost.model(8, 2)  # a cell never seen is the model's
+    # So a lone request accepting 1 draft in 10 drafts one: 1.1 tokens for 1.05x a plain step.
+    # The model alone prices that draft at 1.2x and more, and keeps the gate shut.
+    assert choose_steps(3, [0.1], cost, GateState(), 0.0, CFG).num_steps == 1
+    cost.cells.clear()
+    assert choose_steps(3, [0.1], cost, GateState(), 0.0, CFG).reason == "gate"
+
+
+def test_step_cost_follows_the_hosts_speed_and_keeps_the_cells_shape():
+    cost = learned(kinked, CELLS)
+    for _ in range(10):  # the host slows down 2x: what the choice compares, k against k at one batch, holds
+        learned(lambda b, k: 2 * kinked(b, k), CELLS, rounds=20, cost=cost)
+        for b, k in CELLS:
+            assert cost.seconds(b, k) / cost.seconds(b, 0) == pytest.approx(kinked(b, k) / kinked(b, 0), rel=0.02)
+    for b, k in CELLS:  # and the scale settles on the new speed
+        assert cost.seconds(b, k) == pytest.approx(2 * kinked(b, k), rel=0.05)
+
+
 def test_high_acceptance_and_a_small_batch_draft_up_to_the_ceiling():
     cost = fitted(0.010, 0.0002)  # memory-bound: rows are cheap
     choice = choose_steps(5, [0.9], cost, GateState(), 0.0, CFG)

@@ -131,22 +131,40 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 @dataclass(slots=True)
 class StepCost:
-    """Seconds per decode step as ``base + per_row · batch · (1 + k) + per_draft · k``, fitted to
-    the engine's own steps by decayed least squares.
+    """Seconds per decode step of ``batch`` sequences at ``k`` drafts: a linear model, corrected
+    cell by cell where steps of that batch and draft length were seen.
 
-    A CPU step reads every weight once (``base``) and computes each fed row (``per_row``); a
-    GPU step below its compute roof is nearly flat in rows. A drafter runs ``k`` passes one
-    after the other (``per_draft``). Until the steps seen pin down all three, the fit keeps
-    the prior's shape: ``prior_rows`` rows double the cost of one, drafting costs nothing extra.
+    The model is ``base + per_row · batch · (1 + k) + per_draft · k``, fitted to the engine's
+    own steps by decayed least squares. A CPU step reads every weight once (``base``) and
+    computes each fed row (``per_row``); a GPU step below its compute roof is nearly flat in
+    rows. A drafter runs ``k`` passes one after the other (``per_draft``). Until the steps seen
+    pin down all three, the fit keeps the prior's shape: ``prior_rows`` rows double the cost
+    of one, drafting costs nothing extra.
+
+    Real steps are not linear in fed rows: on the CPU a lone sequence's first draft adds more to
+    its step than each later one, and CUDA graphs are captured per batch size. So each
+    (batch, k) seen keeps the decayed
+    mean of its steps' time over the model's prediction at the time, ``cell_half_life`` of its
+    own steps, with ``cell_prior`` steps' weight on 1 (the model as it stands). The model,
+    refitted every step, follows the host's speed; the cells keep the shape, and a cell never
+    seen is the model's.
     """
 
     prior_rows: float = 16.0
     half_life: float = 200.0
+    cell_half_life: float = 32.0
+    cell_prior: float = 2.0
     n: float = 0.0
     sums: list[float] = field(default_factory=lambda: [0.0] * 9)
     """Decayed sums of x_i·x_j (i <= j, x = (1, rows, k)) and of x_i·y."""
+    cells: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    """(batch, k) -> [decayed sum of measured / model, decayed count]."""
+    fit: tuple[float, float, float] | None = None
+    """The coefficients of the sums as they stand (None: not solved since the last step)."""
 
-    def observe(self, batch: int, k: int, seconds: float) -> None:
+    def observe(self, batch: int, k: int, seconds: float, shape: bool = True) -> None:
+        """A step's time; ``shape=False`` leaves its cell alone (a step whose time is not its
+        cell's usual one: drafting that resumed, whose head first catches up on stored positions)."""
         if seconds <= 0:
             return
         keep = 0.5 ** (1.0 / self.half_life)
@@ -155,9 +173,21 @@ class StepCost:
                  x[2] * seconds, 1.0]
         self.sums = [s * keep + t for s, t in zip(self.sums, terms, strict=True)]
         self.n = self.sums[8]
+        self.fit = None
+        model = self.model(batch, k)
+        if shape and model > 0:
+            cell = self.cells.setdefault((batch, k), [0.0, 0.0])
+            keep = 0.5 ** (1.0 / self.cell_half_life)
+            cell[0] = cell[0] * keep + seconds / model
+            cell[1] = cell[1] * keep + 1.0
 
     def coefficients(self) -> tuple[float, float, float]:
         """(base, per_row, per_draft) in seconds; relative units (base 1) before any step was seen."""
+        if self.fit is None:
+            self.fit = self._solve()
+        return self.fit
+
+    def _solve(self) -> tuple[float, float, float]:
         if self.n <= 0:
             return 1.0, 1.0 / self.prior_rows, 0.0
         s01, s02, s11, s12, s22, y0, y1, y2, n = self.sums
@@ -172,9 +202,15 @@ class StepCost:
         base = mean_y / (1.0 + mean_x / self.prior_rows)
         return base, base / self.prior_rows, 0.0
 
-    def seconds(self, batch: int, k: int) -> float:
+    def model(self, batch: int, k: int) -> float:
+        """The linear model's seconds, without the cell's correction."""
         base, per_row, per_draft = self.coefficients()
         return base + per_row * batch * (1 + k) + per_draft * k
+
+    def seconds(self, batch: int, k: int) -> float:
+        cell = self.cells.get((batch, k))
+        scale = 1.0 if cell is None else (cell[0] + self.cell_prior) / (cell[1] + self.cell_prior)
+        return self.model(batch, k) * scale
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ class StepChooser:
         self.cost = StepCost()
         self.gate = GateState()
         self.requests: dict[str, Acceptance] = {}
+        self.drafting: set[str] = set()  # requests whose last decode step drafted
         self.last: StepChoice | None = None
         self.reasons: dict[str, int] = {}
         self.history: deque[tuple[float, int]] = deque()  # (time, k) of recent decode steps
@@ -57,16 +58,27 @@ class StepChooser:
     def observe(self, request_ids: list[str], proposed: list[int], accepted: list[int], live: list[bool], k: int,
                 seconds: float) -> None:
         """After a decode step of ``k`` drafts that took ``seconds``: what each request proposed
-        and had accepted; ``live``: the request still runs (a finished one keeps no estimate)."""
+        and had accepted; ``live``: the request still runs (a finished one keeps no estimate).
+
+        A drafting step in which some request did not draft the step before (it is new, or the
+        steps before drafted nothing) also ran the draft head over that request's stored
+        positions: its time feeds the cost model but not its (batch, k) cell, which so keeps
+        the time of drafting that goes on."""
+        resumed = k > 0 and not self.drafting.issuperset(request_ids)
         for rid, p, n, running in zip(request_ids, proposed, accepted, live, strict=True):
             if p > 0:
                 self.engine.observe(p, n)
                 if running:
                     self.requests.setdefault(rid, Acceptance(self.config.request_half_life)).observe(p, n)
-        self.cost.observe(len(request_ids), k, seconds)
+        if k > 0:  # a finished request was released before this: it is not kept
+            self.drafting.update(rid for rid, running in zip(request_ids, live, strict=True) if running)
+        else:
+            self.drafting.difference_update(request_ids)
+        self.cost.observe(len(request_ids), k, seconds, shape=not resumed)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.drafting.discard(request_id)
 
     def mean_num_steps(self) -> float | None:
         """Mean draft length of the decode steps of the last 5 s (None: no step)."""
@@ -85,4 +97,6 @@ class StepChooser:
             "step_cost_base_s": base,
             "step_cost_per_row_s": per_row,
             "step_cost_per_draft_s": per_draft,
+            "step_cost_ms": {f"{b},{k}": round(self.cost.seconds(b, k) * 1000, 2)  # the cells seen
+                             for b, k in sorted(self.cost.cells)},
         }
