@@ -77,8 +77,8 @@ def test_step_cost_fits_base_per_row_and_per_draft_and_keeps_the_prior_shape_bef
 
 
 def kinked(b: int, k: int) -> float:
-    """A CPU-like step: linear in fed rows, except that one sequence's 2-position verify shares
-    its weight loads and costs little more than a plain step."""
+    """A step linear in fed rows, except one sequence's 2-position verify, which costs far less
+    than the line through the others gives (a kink no straight line fits)."""
     return 0.0105 if (b, k) == (1, 1) else 0.010 + 0.002 * b * (1 + k)
 
 
@@ -99,8 +99,9 @@ def test_step_cost_cells_learn_the_shape_the_linear_model_misses():
     for b, k in CELLS:
         assert cost.seconds(b, k) == pytest.approx(kinked(b, k), rel=0.03)
     assert cost.seconds(8, 2) == cost.model(8, 2)  # a cell never seen is the model's
-    # So a lone request accepting 1 draft in 10 drafts one: 1.1 tokens for 1.05x a plain step.
-    # The model alone prices that draft at 1.2x and more, and keeps the gate shut.
+    # So a lone request accepting 1 draft in 10 drafts one: 1.1 tokens for a step of 10.5 ms
+    # against a plain step's 12 ms. The model alone prices that draft above 12.6 ms, and keeps
+    # the gate shut.
     assert choose_steps(3, [0.1], cost, GateState(), 0.0, CFG).num_steps == 1
     cost.cells.clear()
     assert choose_steps(3, [0.1], cost, GateState(), 0.0, CFG).reason == "gate"
