@@ -132,14 +132,14 @@ class LiveApp:
         self.wait_until(self.all_replicas_at(first))
 
 
-def deploy(name: str, base_url: str, args: dict) -> LiveApp:
+def deploy(name: str, base_url: str, args: dict, replica_options: dict | None = None) -> LiveApp:
     from ray import serve
 
     from serve_app.control.actor import delete_controller
     from serve_app.serving.app import build_app
 
     delete_controller(name)
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    serve.run(build_app(args, replica_options), name=name, route_prefix=f"/{name}")
     return LiveApp(name, base_url, args)
 
 

@@ -96,3 +96,41 @@ def test_a_short_soak_fails_nothing_and_samples_rss_and_ttft(target):
         assert replica["first_mib"] > 0 and replica["max_drift_pct"] >= 0
         assert replica["idle_before_mib"] > 0 and replica["idle_after_mib"] > 0
     assert r["ttft"]["first_minute_streams"] > 0 and r["ttft"]["first_minute_p99_ms"] > 0
+
+
+def test_a_rolling_update_under_load_loses_no_request(serve_http):
+    """`serve run` of a new version replaces every replica while clients run. Each stopping
+    replica has 1 s to finish (``graceful_shutdown_timeout_s``), less than a request takes, so
+    it cuts off the requests it still runs. The ingress sends the one-shot ones and the streams
+    that had sent no token to another replica; a stream cut mid-way ends with an error event.
+    The new replicas come up in the cluster's forced mode."""
+    import time
+
+    from ray import serve
+
+    from serve_app.serving.app import build_app
+    from serve_app.tools.bench.fault_load import Load, result
+
+    opts = {"graceful_shutdown_timeout_s": 1.0, "graceful_shutdown_wait_loop_s": 0.2}
+    args, max_tokens, mode = app_args(num_replicas=REPLICAS), 1200, 2  # ~2 s a request here
+    app = deploy("rolling", serve_http, args, replica_options=opts)
+    try:
+        t = Target(app.name, app.prefix, TEST_ADMIN_TOKEN)
+        ref = t.reference(max_tokens, REPLICAS)
+        t.force({"mode": "fixed", "num_steps": mode}).raise_for_status()
+        t.wait_converged(mode, REPLICAS)
+        before = set(t.replica_actor_names())
+        started = time.monotonic()
+        with Load(t.prefix, 4, max_tokens, ref) as load:
+            time.sleep(2.0)
+            serve.run(build_app(args, opts), name=app.name, route_prefix=f"/{app.name}")
+            t.wait_converged(mode, REPLICAS, timeout_s=120)
+            time.sleep(2.0)
+        r = result("rolling_update", load.tally, started)
+        report(r)
+        assert not before & set(t.replica_actor_names())  # every replica was replaced
+        assert r["failed"] == 0, r["errors"]
+        assert r["retried"] + r["cut"] >= 1  # the stopping replicas cut requests off...
+        assert r["completed"] + r["cut"] == r["sent"]  # ...and only streams past their first token saw it
+    finally:
+        undeploy(app)

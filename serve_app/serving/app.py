@@ -23,8 +23,12 @@ INGRESS_DEPLOYMENT = "OpenAIIngress"
 LEAST_LOADED_ROUTER = "serve_app.serving.routing.LeastLoadedRouter"
 
 
-def build_app(args: AppArgs | dict[str, Any]) -> Application:
-    """Validate ``args`` (errors name the field) and bind the application."""
+def build_app(args: AppArgs | dict[str, Any], replica_options: dict[str, Any] | None = None) -> Application:
+    """Validate ``args`` (errors name the field) and bind the application.
+
+    ``replica_options``: more of Serve's deployment options for the replicas (for example
+    ``graceful_shutdown_timeout_s``) where the app is built in Python; `serve run` sets them
+    in the config file's ``deployments`` section instead."""
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(args)
     scaling: dict[str, Any] = (
@@ -44,6 +48,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_queued_requests=args.limits.max_queued_requests,
         ray_actor_options=args.replica_ray_actor_options,
         **scaling,
+        **(replica_options or {}),
     ).bind(args.engine, args.policy, args.controller, args.limits, args.streaming)
     # Constructor arguments exclude scaling, so that scaling does not restart replicas.
     return OpenAIIngress.options(name=INGRESS_DEPLOYMENT, ray_actor_options=args.ingress_ray_actor_options).bind(

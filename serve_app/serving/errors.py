@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -20,8 +21,17 @@ logger = logging.getLogger(__name__)
 
 REJECTED = (InvalidRequestError, EngineOverloadedError, BackPressureError)
 """Errors that answer a request (4xx/503) instead of sending it to another replica."""
-REPLICA_LOST = (RayActorError,)
-"""The replica died or became unreachable: the request may go to another one if no token was sent."""
+LOST_CALL_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+"""gRPC codes of a call the replica's side ended: its server stopped (a replica past its
+graceful shutdown, which cancels the calls still running) or the connection broke. Ray maps
+UNAVAILABLE to ActorUnavailableError itself, but lets CANCELLED through; a cancellation on
+this side raises asyncio.CancelledError, never these."""
+
+
+def replica_lost(e: BaseException) -> bool:
+    """The replica died, became unreachable or cut the call off: the request may go to another
+    one if no token was sent."""
+    return isinstance(e, RayActorError) or (isinstance(e, grpc.aio.AioRpcError) and e.code() in LOST_CALL_CODES)
 
 
 class APIError(Exception):
@@ -67,7 +77,7 @@ def replicas_unavailable() -> APIError:
 
 def stream_error(rid: str, e: Exception, tokens: int) -> dict:
     """The in-band error event of a stream cut after ``tokens`` tokens (the status line is gone)."""
-    lost = isinstance(e, REPLICA_LOST)
+    lost = replica_lost(e)
     logger.warning("stream %s cut after %d tokens: %s", rid, tokens, type(e).__name__, exc_info=not lost)
     why = "the replica serving it failed" if lost else f"an internal error ({type(e).__name__})"
     return oai.error_body(f"the stream was cut after {tokens} tokens: {why}; the output is incomplete", "server_error")

@@ -32,7 +32,7 @@ from serve_app.engines.base import GenerateRequest, InvalidRequestError, Samplin
 from serve_app.serving import admin, errors, sse
 from serve_app.serving import openai_protocol as oai
 from serve_app.serving.config import Limits
-from serve_app.serving.errors import REJECTED, REPLICA_LOST, APIError, ReplicasUnavailableError, engine_error
+from serve_app.serving.errors import REJECTED, APIError, ReplicasUnavailableError, engine_error, replica_lost
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,9 @@ class OpenAIIngress:
         for attempt in range(1, self._limits.retries + 2):
             try:
                 return await start(), attempt
-            except REPLICA_LOST as e:
+            except Exception as e:
+                if not replica_lost(e):
+                    raise
                 logger.warning(
                     "request %s: replica lost (%s), attempt %d", request.request_id, type(e).__name__, attempt
                 )
