@@ -104,21 +104,18 @@ async def _switch_step_policy():
         await engine.shutdown()
 
 
-def test_a_step_that_resumes_drafting_leaves_its_cell_to_the_steps_that_go_on():
+def test_the_chooser_charges_the_heads_propose_to_the_head_and_the_rest_to_the_cell():
     from serve_app.control.steps import StepPolicyConfig
     from serve_app.engines.embedded.adaptive import StepChooser
 
     chooser = StepChooser(StepPolicyConfig())
-    cells = chooser.cost.cells
-    chooser.observe(["a"], [1], [1], [True], 1, 0.030)  # "a" drafts for the first time: head catch-up
-    assert (1, 1) not in cells
-    chooser.observe(["a"], [1], [0], [True], 1, 0.012)  # drafting goes on
-    assert cells[(1, 1)][1] == pytest.approx(1.0)
-    chooser.observe(["a", "b"], [1, 1], [1, 1], [True, True], 1, 0.020)  # "b" is new
-    assert (2, 1) not in cells
-    chooser.observe(["a", "b"], [0, 0], [0, 0], [True, True], 0, 0.015)  # plain steps always count
-    chooser.observe(["a", "b"], [1, 1], [1, 1], [True, False], 1, 0.030)  # resumed after a plain step
-    assert cells.keys() == {(1, 1), (2, 0)}
-    chooser.observe(["a"], [1], [1], [True], 1, 0.012)
-    chooser.release("a")
-    assert cells[(1, 1)][1] > 1.5 and not chooser.drafting  # "b" finished, "a" released
+    cost = chooser.cost
+    chooser.observe(["a"], [1], [1], [True], 1, 0.030, 0.018, 60)  # "a" drafts for the first time: head catch-up
+    chooser.observe(["a"], [1], [0], [True], 1, 0.013, 0.001, 3)  # drafting goes on
+    assert cost.cells[(1, 1)][1] == pytest.approx(2.0, rel=0.02)  # both steps feed the cell, with 12 ms each
+    assert cost.verify(1, 1) == pytest.approx(0.012, rel=0.01)
+    head_base, head_per_row = cost.head_coefficients()
+    assert head_base + head_per_row * 60 == pytest.approx(0.018) and head_base + head_per_row * 3 == pytest.approx(0.001)
+    chooser.observe(["a", "b"], [0, 0], [0, 0], [True, True], 0, 0.015)  # a plain step: no head
+    assert cost.head_sums[0] < 2.0  # decayed, not fed
+    assert chooser.state()["head_cost_per_row_s"] == pytest.approx(head_per_row, rel=0.01)

@@ -117,6 +117,50 @@ def test_step_cost_follows_the_hosts_speed_and_keeps_the_cells_shape():
         assert cost.seconds(b, k) == pytest.approx(2 * kinked(b, k), rel=0.05)
 
 
+def test_the_heads_catch_up_is_the_heads_and_a_probes_verify_teaches_its_cell():
+    """The gate is shut at batch 4 and one draft runs only as a probe, whose head first catches
+    up on ~50 positions a sequence. Measured as this engine's `gguf` steps were (bench steps,
+    4 clients, ceiling 1): plain 26 ms, a one-draft verify 32 ms, the head 0.9 ms + 0.047 ms a
+    position. Charging the catch-up to the head leaves the cell the verify's own time, so the
+    cost of drafting that goes on is learned from probes alone, and at acceptance 0.46 the gate
+    opens: 1.46 tokens for ~33.5 ms against 1 for 26."""
+
+    def head(rows: int) -> float:
+        return 0.0009 + 0.000047 * rows
+
+    verify = {(4, 0): 0.026, (4, 1): 0.032, (1, 0): 0.0175, (2, 0): 0.022}
+    cost = StepCost()
+    for round_ in range(40):
+        for b in (1, 2, 4, 4, 4, 4):
+            cost.observe(b, 0, verify[(b, 0)])
+        if round_ % 2 == 0:  # a probe: the head catches up on 200 positions, then drafts
+            cost.observe(4, 1, verify[(4, 1)] + head(200 + 4), head_s=head(200 + 4), head_rows=200 + 4)
+    assert cost.verify(4, 1) == pytest.approx(verify[(4, 1)], rel=0.02)
+    going_on = verify[(4, 1)] + head(4 * 3)  # catch-up of at most 2 positions a sequence, one draft pass
+    assert cost.seconds(4, 1) == pytest.approx(going_on, rel=0.02)
+    assert cost.head_coefficients() == pytest.approx((0.0, 0.0009 / 204 + 0.000047), rel=1e-6)  # one row count seen
+    assert choose_steps(1, [0.46] * 4, cost, GateState(shut=True), 0.0, CFG).num_steps == 1
+    # Charged to the cell instead, the catch-up prices one draft at 42 ms and keeps the gate shut.
+    whole = StepCost()
+    for round_ in range(40):
+        for b in (1, 2, 4, 4, 4, 4):
+            whole.observe(b, 0, verify[(b, 0)])
+        if round_ % 2 == 0:
+            whole.observe(4, 1, verify[(4, 1)] + head(204))
+    assert whole.seconds(4, 1) > 0.040
+    assert choose_steps(1, [0.46] * 4, whole, GateState(shut=True), 0.0, CFG).num_steps == 0
+
+
+def test_the_head_fit_separates_its_base_from_its_rows():
+    cost = StepCost()
+    for rows in (4, 12, 40, 200, 12, 4):
+        cost.observe(4, 1, 0.030 + 0.001 + 0.00005 * rows, head_s=0.001 + 0.00005 * rows, head_rows=rows)
+    assert cost.head_coefficients() == pytest.approx((0.001, 0.00005), rel=1e-6)
+    assert cost.head(4, 2) == pytest.approx(0.001 + 0.00005 * 4 * 5)
+    assert cost.head(4, 0) == 0.0 and StepCost().head(4, 3) == 0.0  # no head in a plain step; none seen yet
+    assert cost.verify(4, 1) == pytest.approx(0.030, rel=1e-6)
+
+
 def test_high_acceptance_and_a_small_batch_draft_up_to_the_ceiling():
     cost = fitted(0.010, 0.0002)  # memory-bound: rows are cheap
     choice = choose_steps(5, [0.9], cost, GateState(), 0.0, CFG)

@@ -131,23 +131,31 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 @dataclass(slots=True)
 class StepCost:
-    """Seconds per decode step of ``batch`` sequences at ``k`` drafts: a linear model, corrected
-    cell by cell where steps of that batch and draft length were seen.
+    """Seconds per decode step of ``batch`` sequences at ``k`` drafts, in two parts: the
+    verify (the target's forward over ``1 + k`` positions a sequence, and the rest of the step)
+    and the draft head's ``propose``.
 
-    The model is ``base + per_row · batch · (1 + k) + per_draft · k``, fitted to the engine's
-    own steps by decayed least squares. A CPU step reads every weight once (``base``) and
-    computes each fed row (``per_row``); a GPU step below its compute roof is nearly flat in
-    rows. A drafter runs ``k`` passes one after the other (``per_draft``). Until the steps seen
-    pin down all three, the fit keeps the prior's shape: ``prior_rows`` rows double the cost
-    of one, drafting costs nothing extra.
+    The verify is a linear model, corrected cell by cell where steps of that batch and draft
+    length were seen. The model is ``base + per_row · batch · (1 + k) + per_draft · k``, fitted
+    to the engine's own steps by decayed least squares. A CPU step reads every weight once
+    (``base``) and computes each fed row (``per_row``); a GPU step below its compute roof is
+    nearly flat in rows. Until the steps seen pin down all three, the fit keeps the prior's
+    shape: ``prior_rows`` rows double the cost of one, drafting costs nothing extra.
 
     Real steps are not linear in fed rows: on the CPU a lone sequence's first draft adds more to
     its step than each later one, and CUDA graphs are captured per batch size. So each
     (batch, k) seen keeps the decayed
-    mean of its steps' time over the model's prediction at the time, ``cell_half_life`` of its
-    own steps, with ``cell_prior`` steps' weight on 1 (the model as it stands). The model,
+    mean of its steps' verify time over the model's prediction at the time, ``cell_half_life``
+    of its own steps, with ``cell_prior`` steps' weight on 1 (the model as it stands). The model,
     refitted every step, follows the host's speed; the cells keep the shape, and a cell never
     seen is the model's.
+
+    The head's part is ``head_base + head_per_row · rows``, fitted the same way to the
+    drafting steps' ``propose`` time, where ``rows`` counts the positions the head ran over: the
+    catch-up on what was decoded since it last ran, and ``k`` draft passes of the batch. A step
+    that resumes drafting (a new request, a gate's probe after plain steps) catches up on many
+    positions; its verify is an ordinary one and feeds its cell. Drafting that goes on catches
+    up on ``1 + accepted`` positions a sequence, priced at its most, ``1 + k``.
     """
 
     prior_rows: float = 16.0
@@ -161,10 +169,18 @@ class StepCost:
     """(batch, k) -> [decayed sum of measured / model, decayed count]."""
     fit: tuple[float, float, float] | None = None
     """The coefficients of the sums as they stand (None: not solved since the last step)."""
+    head_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    """Decayed sums of the head's fit: count, rows, rows², seconds, rows·seconds."""
 
-    def observe(self, batch: int, k: int, seconds: float, shape: bool = True) -> None:
-        """A step's time; ``shape=False`` leaves its cell alone (a step whose time is not its
-        cell's usual one: drafting that resumed, whose head first catches up on stored positions)."""
+    def observe(self, batch: int, k: int, seconds: float, head_s: float = 0.0, head_rows: int = 0) -> None:
+        """A decode step's time, of which ``head_s`` the draft head's ``propose`` took over
+        ``head_rows`` positions (its catch-up and the ``k`` draft passes)."""
+        if k > 0 and head_s > 0 and head_rows > 0:
+            keep = 0.5 ** (1.0 / self.half_life)
+            x = float(head_rows)
+            self.head_sums = [s * keep + t for s, t in zip(self.head_sums, (1.0, x, x * x, head_s, x * head_s),
+                                                            strict=True)]
+        seconds -= head_s
         if seconds <= 0:
             return
         keep = 0.5 ** (1.0 / self.half_life)
@@ -175,7 +191,7 @@ class StepCost:
         self.n = self.sums[8]
         self.fit = None
         model = self.model(batch, k)
-        if shape and model > 0:
+        if model > 0:
             cell = self.cells.setdefault((batch, k), [0.0, 0.0])
             keep = 0.5 ** (1.0 / self.cell_half_life)
             cell[0] = cell[0] * keep + seconds / model
@@ -207,10 +223,32 @@ class StepCost:
         base, per_row, per_draft = self.coefficients()
         return base + per_row * batch * (1 + k) + per_draft * k
 
-    def seconds(self, batch: int, k: int) -> float:
+    def head_coefficients(self) -> tuple[float, float]:
+        """(head_base, head_per_row) in seconds; (0, 0) before any drafting step."""
+        n, sx, sxx, sy, sxy = self.head_sums
+        if n <= 0 or sx <= 0:
+            return 0.0, 0.0
+        fit = _solve([[n, sx], [sx, sxx]], [sy, sxy])
+        if fit is not None and min(fit) >= 0:
+            return fit[0], fit[1]
+        return 0.0, sy / sx  # one row count seen, or a fit that goes negative: time per row
+
+    def head(self, batch: int, k: int) -> float:
+        """The head's seconds in a step of drafting that goes on: a catch-up of at most
+        ``1 + k`` positions a sequence, then ``k`` draft passes."""
+        if k <= 0:
+            return 0.0
+        head_base, head_per_row = self.head_coefficients()
+        return head_base + head_per_row * batch * (1 + 2 * k)
+
+    def verify(self, batch: int, k: int) -> float:
+        """The step without the head: the model times the cell's ratio."""
         cell = self.cells.get((batch, k))
         scale = 1.0 if cell is None else (cell[0] + self.cell_prior) / (cell[1] + self.cell_prior)
         return self.model(batch, k) * scale
+
+    def seconds(self, batch: int, k: int) -> float:
+        return self.verify(batch, k) + self.head(batch, k)
 
 
 @dataclass(slots=True)

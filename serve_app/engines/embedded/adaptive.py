@@ -29,7 +29,6 @@ class StepChooser:
         self.cost = StepCost()
         self.gate = GateState()
         self.requests: dict[str, Acceptance] = {}
-        self.drafting: set[str] = set()  # requests whose last decode step drafted
         self.last: StepChoice | None = None
         self.reasons: dict[str, int] = {}
         self.history: deque[tuple[float, int]] = deque()  # (time, k) of recent decode steps
@@ -56,29 +55,19 @@ class StepChooser:
         return choice.num_steps
 
     def observe(self, request_ids: list[str], proposed: list[int], accepted: list[int], live: list[bool], k: int,
-                seconds: float) -> None:
-        """After a decode step of ``k`` drafts that took ``seconds``: what each request proposed
-        and had accepted; ``live``: the request still runs (a finished one keeps no estimate).
-
-        A drafting step in which some request did not draft the step before (it is new, or the
-        steps before drafted nothing) also ran the draft head over that request's stored
-        positions: its time feeds the cost model but not its (batch, k) cell, which so keeps
-        the time of drafting that goes on."""
-        resumed = k > 0 and not self.drafting.issuperset(request_ids)
+                seconds: float, head_s: float = 0.0, head_rows: int = 0) -> None:
+        """After a decode step of ``k`` drafts that took ``seconds``, ``head_s`` of them in the
+        drafter's ``propose`` over ``head_rows`` positions: what each request proposed and had
+        accepted; ``live``: the request still runs (a finished one keeps no estimate)."""
         for rid, p, n, running in zip(request_ids, proposed, accepted, live, strict=True):
             if p > 0:
                 self.engine.observe(p, n)
                 if running:
                     self.requests.setdefault(rid, Acceptance(self.config.request_half_life)).observe(p, n)
-        if k > 0:  # a finished request was released before this: it is not kept
-            self.drafting.update(rid for rid, running in zip(request_ids, live, strict=True) if running)
-        else:
-            self.drafting.difference_update(request_ids)
-        self.cost.observe(len(request_ids), k, seconds, shape=not resumed)
+        self.cost.observe(len(request_ids), k, seconds, head_s, head_rows)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
-        self.drafting.discard(request_id)
 
     def mean_num_steps(self) -> float | None:
         """Mean draft length of the decode steps of the last 5 s (None: no step)."""
@@ -89,6 +78,7 @@ class StepChooser:
     def state(self) -> dict:
         """What /v1/speculation and the tests read."""
         base, per_row, per_draft = self.cost.coefficients()
+        head_base, head_per_row = self.cost.head_coefficients()
         return {
             "engine_acceptance": [round(a, 4) for a in self.prior(max(1, len(self.engine.trials)))],
             "gate_shut": self.gate.shut,
@@ -97,6 +87,8 @@ class StepChooser:
             "step_cost_base_s": base,
             "step_cost_per_row_s": per_row,
             "step_cost_per_draft_s": per_draft,
+            "head_cost_base_s": head_base,
+            "head_cost_per_row_s": head_per_row,
             "step_cost_ms": {f"{b},{k}": round(self.cost.seconds(b, k) * 1000, 2)  # the cells seen
                              for b, k in sorted(self.cost.cells)},
         }

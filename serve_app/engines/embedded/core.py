@@ -164,11 +164,16 @@ class EngineCore:
             num_steps = self.chooser.choose([s.request_id for s in seqs], ceiling)
         self.last_num_steps = num_steps
         drafts: list[list[int]] = [[] for _ in seqs]
+        head_s, head_rows = 0.0, 0
         if num_steps > 0:
             # Never draft past what a request may still output.
             limits = [min(num_steps, s.params.max_tokens - s.num_output_tokens - 1,
                           num_steps if s.params.spec_max_steps is None else s.params.spec_max_steps) for s in seqs]
-            proposed = self.drafter.propose([s.request_id for s in seqs], [s.token_ids for s in seqs], num_steps)
+            ids = [s.request_id for s in seqs]
+            head_rows = self.drafter.backlog(ids) + len(seqs) * num_steps
+            head_started = time.perf_counter()
+            proposed = self.drafter.propose(ids, [s.token_ids for s in seqs], num_steps)
+            head_s = time.perf_counter() - head_started
             drafts = [d[:max(lim, 0)] for d, lim in zip(proposed, limits, strict=True)]
         width = 1 + max(len(d) for d in drafts)
         tokens = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -201,7 +206,7 @@ class EngineCore:
         if self.chooser is not None:
             live = [s.status is not Status.FINISHED for s in seqs]
             self.chooser.observe([s.request_id for s in seqs], [len(d) for d in drafts], accepted_per_seq, live,
-                                 width - 1, time.perf_counter() - started)
+                                 width - 1, time.perf_counter() - started, head_s, head_rows)
 
     def _observe(self, seqs: list[Sequence], hidden: torch.Tensor, num_valid: list[int]) -> None:
         """Hand the drafter the hidden states of the sequences still running (finished ones are released)."""

@@ -30,6 +30,10 @@ class Drafter(Protocol):
     def release(self, seq_id: str) -> None:
         """A sequence finished; drop any state kept for it."""
 
+    def backlog(self, seq_ids: Sequence[str]) -> int:
+        """Positions of these sequences the next ``propose`` runs its model over before it
+        drafts (what was decoded since it last ran); 0 for a drafter that keeps no state."""
+
 
 class NgramDrafter:
     """Prompt lookup: find the sequence's last n tokens earlier in it, propose what followed.
@@ -62,6 +66,9 @@ class NgramDrafter:
 
     def release(self, seq_id: str) -> None:
         pass
+
+    def backlog(self, seq_ids: Sequence[str]) -> int:
+        return 0
 
 
 def make_drafter(name: str, **kwargs) -> Drafter:

@@ -192,6 +192,9 @@ class EagleDrafter:
                 self.slot[sid], self.length[sid], self.pending[sid] = self.free.pop(), 0, []
             self.pending[sid].append(g[row, :n])
 
+    def backlog(self, seq_ids: Sequence[str]) -> int:
+        return sum(f.shape[0] for s in seq_ids for f in self.pending.get(s, ()))
+
     def release(self, seq_id: str) -> None:
         if seq_id in self.slot:
             self.free.append(self.slot.pop(seq_id))
