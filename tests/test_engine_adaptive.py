@@ -114,8 +114,8 @@ def test_the_chooser_charges_the_heads_propose_to_the_head_and_the_rest_to_the_c
     chooser.observe(["a"], [1], [0], [True], 1, 0.013, 0.001, 3)  # drafting goes on
     assert cost.cells[(1, 1)][1] == pytest.approx(2.0, rel=0.02)  # both steps feed the cell, with 12 ms each
     assert cost.verify(1, 1) == pytest.approx(0.012, rel=0.01)
-    head_base, head_per_row = cost.head_coefficients()
+    head_base, head_per_row, _ = cost.head_coefficients()
     assert head_base + head_per_row * 60 == pytest.approx(0.018) and head_base + head_per_row * 3 == pytest.approx(0.001)
     chooser.observe(["a", "b"], [0, 0], [0, 0], [True, True], 0, 0.015)  # a plain step: no head
-    assert cost.head_sums[0] < 2.0  # decayed, not fed
+    assert cost.head_sums[8] < 2.0  # its count decayed, not fed
     assert chooser.state()["head_cost_per_row_s"] == pytest.approx(head_per_row, rel=0.01)

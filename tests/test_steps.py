@@ -138,7 +138,7 @@ def test_the_heads_catch_up_is_the_heads_and_a_probes_verify_teaches_its_cell():
     assert cost.verify(4, 1) == pytest.approx(verify[(4, 1)], rel=0.02)
     going_on = verify[(4, 1)] + head(4 * 3)  # catch-up of at most 2 positions a sequence, one draft pass
     assert cost.seconds(4, 1) == pytest.approx(going_on, rel=0.02)
-    assert cost.head_coefficients() == pytest.approx((0.0, 0.0009 / 204 + 0.000047), rel=1e-6)  # one row count seen
+    assert cost.head_coefficients() == pytest.approx((0.0, 0.0009 / 204 + 0.000047, 0.0), rel=1e-6)  # one count seen
     assert choose_steps(1, [0.46] * 4, cost, GateState(shut=True), 0.0, CFG).num_steps == 1
     # Charged to the cell instead, the catch-up prices one draft at 42 ms and keeps the gate shut.
     whole = StepCost()
@@ -151,14 +151,23 @@ def test_the_heads_catch_up_is_the_heads_and_a_probes_verify_teaches_its_cell():
     assert choose_steps(1, [0.46] * 4, whole, GateState(shut=True), 0.0, CFG).num_steps == 0
 
 
-def test_the_head_fit_separates_its_base_from_its_rows():
+def test_the_head_fit_separates_its_base_its_positions_and_its_passes():
     cost = StepCost()
-    for rows in (4, 12, 40, 200, 12, 4):
+    for rows in (4, 12, 40, 200, 12, 4):  # one draft length: its passes fold into the base
         cost.observe(4, 1, 0.030 + 0.001 + 0.00005 * rows, head_s=0.001 + 0.00005 * rows, head_rows=rows)
-    assert cost.head_coefficients() == pytest.approx((0.001, 0.00005), rel=1e-6)
-    assert cost.head(4, 2) == pytest.approx(0.001 + 0.00005 * 4 * 5)
-    assert cost.head(4, 0) == 0.0 and StepCost().head(4, 3) == 0.0  # no head in a plain step; none seen yet
+    assert cost.head_coefficients() == pytest.approx((0.001, 0.00005, 0.0), rel=1e-6)
     assert cost.verify(4, 1) == pytest.approx(0.030, rel=1e-6)
+
+    def head(rows: int, k: int) -> float:  # each draft pass run one after the other costs 3 ms
+        return 0.001 + 0.00005 * rows + 0.003 * k
+
+    cost = StepCost()
+    for k in (1, 2, 3, 5):
+        for rows in (4 * (1 + 2 * k), 200):
+            cost.observe(4, k, 0.030 + head(rows, k), head_s=head(rows, k), head_rows=rows)
+    assert cost.head_coefficients() == pytest.approx((0.001, 0.00005, 0.003), rel=1e-4)
+    assert cost.head(4, 5) == pytest.approx(head(4 * 11, 5), rel=1e-4)  # drafting that goes on
+    assert cost.head(4, 0) == 0.0 and StepCost().head(4, 3) == 0.0  # no head in a plain step; none seen yet
 
 
 def test_high_acceptance_and_a_small_batch_draft_up_to_the_ceiling():

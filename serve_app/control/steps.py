@@ -129,6 +129,27 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
+def _add(sums: list[float], x1: float, x2: float, y: float, keep: float) -> list[float]:
+    """Decayed least-squares sums for ``y = c0 + c1·x1 + c2·x2``: x_i·x_j (i <= j, x0 = 1) and x_i·y."""
+    terms = (x1, x2, x1 * x1, x1 * x2, x2 * x2, y, x1 * y, x2 * y, 1.0)
+    return [s * keep + t for s, t in zip(sums, terms, strict=True)]
+
+
+def _fit(sums: list[float]) -> tuple[float, float, float] | None:
+    """(c0, c1, c2) of the sums, all >= 0; without the x2 term where x2 never varied apart from
+    x1 (or the full fit goes negative); None where x1 did not vary either."""
+    s01, s02, s11, s12, s22, y0, y1, y2, n = sums
+    if n <= 0:
+        return None
+    full = _solve([[n, s01, s02], [s01, s11, s12], [s02, s12, s22]], [y0, y1, y2])
+    if full is not None and min(full) >= 0:
+        return full[0], full[1], full[2]
+    two = _solve([[n, s01], [s01, s11]], [y0, y1])
+    if two is not None and min(two) >= 0:
+        return two[0], two[1], 0.0
+    return None
+
+
 @dataclass(slots=True)
 class StepCost:
     """Seconds per decode step of ``batch`` sequences at ``k`` drafts, in two parts: the
@@ -150,9 +171,10 @@ class StepCost:
     refitted every step, follows the host's speed; the cells keep the shape, and a cell never
     seen is the model's.
 
-    The head's part is ``head_base + head_per_row · rows``, fitted the same way to the
-    drafting steps' ``propose`` time, where ``rows`` counts the positions the head ran over: the
-    catch-up on what was decoded since it last ran, and ``k`` draft passes of the batch. A step
+    The head's part is ``head_base + head_per_row · rows + head_per_pass · k``, fitted the same
+    way to the drafting steps' ``propose`` time, where ``rows`` counts the positions the head ran
+    over (the catch-up on what was decoded since it last ran, and ``k`` draft passes of the
+    batch) and each of the ``k`` passes, run one after the other, has a cost of its own. A step
     that resumes drafting (a new request, a gate's probe after plain steps) catches up on many
     positions; its verify is an ordinary one and feeds its cell. Drafting that goes on catches
     up on ``1 + accepted`` positions a sequence, priced at its most, ``1 + k``.
@@ -169,25 +191,19 @@ class StepCost:
     """(batch, k) -> [decayed sum of measured / model, decayed count]."""
     fit: tuple[float, float, float] | None = None
     """The coefficients of the sums as they stand (None: not solved since the last step)."""
-    head_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    """Decayed sums of the head's fit: count, rows, rows², seconds, rows·seconds."""
+    head_sums: list[float] = field(default_factory=lambda: [0.0] * 9)
+    """Decayed sums of the head's fit, x = (1, positions, k)."""
 
     def observe(self, batch: int, k: int, seconds: float, head_s: float = 0.0, head_rows: int = 0) -> None:
         """A decode step's time, of which ``head_s`` the draft head's ``propose`` took over
         ``head_rows`` positions (its catch-up and the ``k`` draft passes)."""
+        keep = 0.5 ** (1.0 / self.half_life)
         if k > 0 and head_s > 0 and head_rows > 0:
-            keep = 0.5 ** (1.0 / self.half_life)
-            x = float(head_rows)
-            self.head_sums = [s * keep + t for s, t in zip(self.head_sums, (1.0, x, x * x, head_s, x * head_s),
-                                                            strict=True)]
+            self.head_sums = _add(self.head_sums, float(head_rows), float(k), head_s, keep)
         seconds -= head_s
         if seconds <= 0:
             return
-        keep = 0.5 ** (1.0 / self.half_life)
-        x = (1.0, float(batch * (1 + k)), float(k))
-        terms = [x[0] * x[1], x[0] * x[2], x[1] * x[1], x[1] * x[2], x[2] * x[2], x[0] * seconds, x[1] * seconds,
-                 x[2] * seconds, 1.0]
-        self.sums = [s * keep + t for s, t in zip(self.sums, terms, strict=True)]
+        self.sums = _add(self.sums, float(batch * (1 + k)), float(k), seconds, keep)
         self.n = self.sums[8]
         self.fit = None
         model = self.model(batch, k)
@@ -206,15 +222,12 @@ class StepCost:
     def _solve(self) -> tuple[float, float, float]:
         if self.n <= 0:
             return 1.0, 1.0 / self.prior_rows, 0.0
-        s01, s02, s11, s12, s22, y0, y1, y2, n = self.sums
-        full = _solve([[n, s01, s02], [s01, s11, s12], [s02, s12, s22]], [y0, y1, y2])
-        if full is not None and min(full) >= 0:
-            return full[0], full[1], full[2]
-        two = _solve([[n, s01], [s01, s11]], [y0, y1])  # k never varied apart from rows: no draft term
-        if two is not None and min(two) >= 0:
-            return two[0], two[1], 0.0
+        fit = _fit(self.sums)
+        if fit is not None:
+            return fit
         # One row count seen (or a fit that goes negative): the prior's shape, scaled to the mean.
-        mean_x, mean_y = s01 / n, y0 / n
+        s01, n, mean_y = self.sums[0], self.sums[8], self.sums[5]
+        mean_x, mean_y = s01 / n, mean_y / n
         base = mean_y / (1.0 + mean_x / self.prior_rows)
         return base, base / self.prior_rows, 0.0
 
@@ -223,23 +236,21 @@ class StepCost:
         base, per_row, per_draft = self.coefficients()
         return base + per_row * batch * (1 + k) + per_draft * k
 
-    def head_coefficients(self) -> tuple[float, float]:
-        """(head_base, head_per_row) in seconds; (0, 0) before any drafting step."""
-        n, sx, sxx, sy, sxy = self.head_sums
-        if n <= 0 or sx <= 0:
-            return 0.0, 0.0
-        fit = _solve([[n, sx], [sx, sxx]], [sy, sxy])
-        if fit is not None and min(fit) >= 0:
-            return fit[0], fit[1]
-        return 0.0, sy / sx  # one row count seen, or a fit that goes negative: time per row
+    def head_coefficients(self) -> tuple[float, float, float]:
+        """(head_base, head_per_row, head_per_pass) in seconds; zeros before any drafting step."""
+        fit = _fit(self.head_sums)
+        if fit is not None:
+            return fit
+        s01, y0 = self.head_sums[0], self.head_sums[5]
+        return (0.0, y0 / s01, 0.0) if s01 > 0 else (0.0, 0.0, 0.0)  # one count seen: time per position
 
     def head(self, batch: int, k: int) -> float:
         """The head's seconds in a step of drafting that goes on: a catch-up of at most
-        ``1 + k`` positions a sequence, then ``k`` draft passes."""
+        ``1 + k`` positions a sequence, then ``k`` draft passes one after the other."""
         if k <= 0:
             return 0.0
-        head_base, head_per_row = self.head_coefficients()
-        return head_base + head_per_row * batch * (1 + 2 * k)
+        head_base, head_per_row, head_per_pass = self.head_coefficients()
+        return head_base + head_per_row * batch * (1 + 2 * k) + head_per_pass * k
 
     def verify(self, batch: int, k: int) -> float:
         """The step without the head: the model times the cell's ratio."""

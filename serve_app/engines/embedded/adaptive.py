@@ -78,7 +78,7 @@ class StepChooser:
     def state(self) -> dict:
         """What /v1/speculation and the tests read."""
         base, per_row, per_draft = self.cost.coefficients()
-        head_base, head_per_row = self.cost.head_coefficients()
+        head_base, head_per_row, head_per_pass = self.cost.head_coefficients()
         return {
             "engine_acceptance": [round(a, 4) for a in self.prior(max(1, len(self.engine.trials)))],
             "gate_shut": self.gate.shut,
@@ -89,6 +89,7 @@ class StepChooser:
             "step_cost_per_draft_s": per_draft,
             "head_cost_base_s": head_base,
             "head_cost_per_row_s": head_per_row,
+            "head_cost_per_pass_s": head_per_pass,
             "step_cost_ms": {f"{b},{k}": round(self.cost.seconds(b, k) * 1000, 2)  # the cells seen
                              for b, k in sorted(self.cost.cells)},
         }
