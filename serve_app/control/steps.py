@@ -193,6 +193,8 @@ class StepCost:
     """The coefficients of the sums as they stand (None: not solved since the last step)."""
     head_sums: list[float] = field(default_factory=lambda: [0.0] * 9)
     """Decayed sums of the head's fit, x = (1, positions, k)."""
+    head_fit: tuple[float, float, float] | None = None
+    """The head's coefficients as they stand (None: not solved since its last step)."""
 
     def observe(self, batch: int, k: int, seconds: float, head_s: float = 0.0, head_rows: int = 0) -> None:
         """A decode step's time, of which ``head_s`` the draft head's ``propose`` took over
@@ -200,6 +202,7 @@ class StepCost:
         keep = 0.5 ** (1.0 / self.half_life)
         if k > 0 and head_s > 0 and head_rows > 0:
             self.head_sums = _add(self.head_sums, float(head_rows), float(k), head_s, keep)
+            self.head_fit = None
         seconds -= head_s
         if seconds <= 0:
             return
@@ -226,8 +229,7 @@ class StepCost:
         if fit is not None:
             return fit
         # One row count seen (or a fit that goes negative): the prior's shape, scaled to the mean.
-        s01, n, mean_y = self.sums[0], self.sums[8], self.sums[5]
-        mean_x, mean_y = s01 / n, mean_y / n
+        mean_x, mean_y = self.sums[0] / self.n, self.sums[5] / self.n
         base = mean_y / (1.0 + mean_x / self.prior_rows)
         return base, base / self.prior_rows, 0.0
 
@@ -238,11 +240,11 @@ class StepCost:
 
     def head_coefficients(self) -> tuple[float, float, float]:
         """(head_base, head_per_row, head_per_pass) in seconds; zeros before any drafting step."""
-        fit = _fit(self.head_sums)
-        if fit is not None:
-            return fit
-        s01, y0 = self.head_sums[0], self.head_sums[5]
-        return (0.0, y0 / s01, 0.0) if s01 > 0 else (0.0, 0.0, 0.0)  # one count seen: time per position
+        if self.head_fit is None:
+            positions, y = self.head_sums[0], self.head_sums[5]
+            per_position = (0.0, y / positions, 0.0) if positions > 0 else (0.0, 0.0, 0.0)
+            self.head_fit = _fit(self.head_sums) or per_position  # one count seen: time per position
+        return self.head_fit
 
     def head(self, batch: int, k: int) -> float:
         """The head's seconds in a step of drafting that goes on: a catch-up of at most
