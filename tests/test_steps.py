@@ -129,24 +129,25 @@ def test_the_heads_catch_up_is_the_heads_and_a_probes_verify_teaches_its_cell():
         return 0.0009 + 0.000047 * rows
 
     verify = {(4, 0): 0.026, (4, 1): 0.032, (1, 0): 0.0175, (2, 0): 0.022}
-    cost = StepCost()
-    for round_ in range(40):
-        for b in (1, 2, 4, 4, 4, 4):
-            cost.observe(b, 0, verify[(b, 0)])
-        if round_ % 2 == 0:  # a probe: the head catches up on 200 positions, then drafts
-            cost.observe(4, 1, verify[(4, 1)] + head(200 + 4), head_s=head(200 + 4), head_rows=200 + 4)
+
+    def shut_gate(head_apart: bool) -> StepCost:
+        cost = StepCost()
+        for round_ in range(40):
+            for b in (1, 2, 4, 4, 4, 4):
+                cost.observe(b, 0, verify[(b, 0)])
+            if round_ % 2 == 0:  # a probe: the head catches up on 200 positions, then drafts
+                h = head(200 + 4)
+                cost.observe(4, 1, verify[(4, 1)] + h, *((h, 200 + 4) if head_apart else ()))
+        return cost
+
+    cost = shut_gate(head_apart=True)
     assert cost.verify(4, 1) == pytest.approx(verify[(4, 1)], rel=0.02)
     going_on = verify[(4, 1)] + head(4 * 3)  # catch-up of at most 2 positions a sequence, one draft pass
     assert cost.seconds(4, 1) == pytest.approx(going_on, rel=0.02)
     assert cost.head_coefficients() == pytest.approx((0.0, 0.0009 / 204 + 0.000047, 0.0), rel=1e-6)  # one count seen
     assert choose_steps(1, [0.46] * 4, cost, GateState(shut=True), 0.0, CFG).num_steps == 1
     # Charged to the cell instead, the catch-up prices one draft at 42 ms and keeps the gate shut.
-    whole = StepCost()
-    for round_ in range(40):
-        for b in (1, 2, 4, 4, 4, 4):
-            whole.observe(b, 0, verify[(b, 0)])
-        if round_ % 2 == 0:
-            whole.observe(4, 1, verify[(4, 1)] + head(204))
+    whole = shut_gate(head_apart=False)
     assert whole.seconds(4, 1) > 0.040
     assert choose_steps(1, [0.46] * 4, whole, GateState(shut=True), 0.0, CFG).num_steps == 0
 

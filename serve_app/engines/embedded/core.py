@@ -170,7 +170,8 @@ class EngineCore:
             limits = [min(num_steps, s.params.max_tokens - s.num_output_tokens - 1,
                           num_steps if s.params.spec_max_steps is None else s.params.spec_max_steps) for s in seqs]
             ids = [s.request_id for s in seqs]
-            head_rows = self.drafter.backlog(ids) + len(seqs) * num_steps
+            if self.chooser is not None:  # what the step cost charges to the head
+                head_rows = self.drafter.backlog(ids) + len(seqs) * num_steps
             head_started = time.perf_counter()
             proposed = self.drafter.propose(ids, [s.token_ids for s in seqs], num_steps)
             head_s = time.perf_counter() - head_started
