@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from serve_app.engines.embedded.eagle import default_head_path, load_head
+from serve_app.engines.embedded.eagle import catch_up_groups, default_head_path, load_head
 from serve_app.tools import train_draft_head
 from serve_app.tools.bench.prompts import PROMPT_SETS, chat_messages
 
@@ -55,6 +55,14 @@ def test_eagle_sequences_release_their_head_state_and_slots_are_reused(tiny):
     assert run_greedy(tiny, prompts, random_schedule(5), max_tokens=16, together=True) == reference
     drafter = tiny.core.drafter
     assert not drafter.slot and len(drafter.free) == 8
+
+
+def test_the_catch_up_runs_in_groups_of_like_lengths():
+    assert catch_up_groups([2] * 30 + [300]) == [[30], list(range(30))]  # not 31 rows of 300
+    assert catch_up_groups([2, 3, 2, 3]) == [[0, 1, 2, 3]]  # a pass costs more than a row of padding
+    groups = catch_up_groups([1, 4] * 40, pass_rows=16)
+    assert groups == [list(range(1, 80, 2)), list(range(0, 80, 2))]
+    assert sorted(b for g in catch_up_groups([7, 90, 3, 3, 250, 12]) for b in g) == list(range(6))
 
 
 @pytest.mark.parametrize("other", ["pytorch attention", "pytorch modules"])

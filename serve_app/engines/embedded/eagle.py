@@ -223,18 +223,23 @@ class EagleDrafter:
 
     def _propose(self, feats: list[torch.Tensor], tokens: list[list[int]], starts: list[int], n: list[int],
                  slots: list[int], k: int) -> list[list[int]]:
-        """``propose`` in PyTorch modules, the sequences' catch-up rows padded to the longest."""
+        """``propose`` in PyTorch modules: the catch-up in groups of sequences, each padded to
+        its longest (:func:`catch_up_groups`), then the ``k`` draft passes over the batch."""
         head, dev, B = self.head, self.k.device, len(feats)
-        g = torch.zeros((B, max(n), feats[0].shape[-1]), device=dev, dtype=self.k.dtype)
-        tok = torch.zeros((B, max(n)), dtype=torch.long)
-        for row, (f, ids) in enumerate(zip(feats, tokens, strict=True)):
-            g[row, :len(f)] = f
-            tok[row, :len(f)] = torch.tensor(ids)
-        lens, num = torch.tensor(starts, device=dev), torch.tensor(n, device=dev)
+        a = torch.empty((B, 1, feats[0].shape[-1]), device=dev, dtype=self.k.dtype)
+        for group in catch_up_groups(n):
+            width = max(n[b] for b in group)
+            g = torch.zeros((len(group), width, feats[0].shape[-1]), device=dev, dtype=self.k.dtype)
+            tok = torch.zeros((len(group), width), dtype=torch.long)
+            for row, b in enumerate(group):
+                g[row, :n[b]] = feats[b]
+                tok[row, :n[b]] = torch.tensor(tokens[b])
+            num = torch.tensor([n[b] for b in group], device=dev)
+            out = self._run(g, tok.to(dev), torch.tensor([starts[b] for b in group], device=dev),
+                            torch.tensor([slots[b] for b in group], device=dev), num)
+            a[torch.tensor(group, device=dev)] = out[torch.arange(len(group), device=dev), num - 1][:, None]
+        lens = torch.tensor(starts, device=dev) + torch.tensor(n, device=dev)
         slot = torch.tensor(slots, device=dev)
-        a = self._run(g, tok.to(dev), lens, slot, num)
-        a = a[torch.arange(B, device=dev), num - 1][:, None]  # [B, 1, d]
-        lens = lens + num
         drafts = []
         for j in range(k):
             t = head.logits(a[:, 0]).argmax(-1)
@@ -269,6 +274,31 @@ class EagleDrafter:
         attn = F.scaled_dot_product_attention(xq.transpose(1, 2), self.k[slots, :, :L], self.v[slots, :, :L],
                                               attn_mask=mask, enable_gqa=True)
         return self.head.finish(g, attn)
+
+
+PASS_ROWS = 16
+"""A catch-up pass of its own costs about as much as this many padded rows: the float32 head on
+the 2-core CPU of docs/benchmarks.md takes ~3.8 ms a pass and ~0.22 ms a row."""
+
+
+def catch_up_groups(n: Sequence[int], pass_rows: int = PASS_ROWS) -> list[list[int]]:
+    """The sequences' catch-up in padded passes: indices into ``n`` (each sequence's positions),
+    grouped by length so that the padded rows plus ``pass_rows`` a pass are fewest. A sequence
+    resuming after plain steps (or new, with its prompt) catches up on hundreds of positions
+    where the rest catch up on ``1 + accepted``; one pass would pad every row to its length."""
+    lengths = sorted(set(n), reverse=True)
+    count = [sum(1 for m in n if m == length) for length in lengths]
+    # best[i]: the fewest rows for the sequences of lengths[i:], in groups of neighbouring lengths
+    best, cut = [0] * (len(lengths) + 1), [0] * len(lengths)
+    for i in range(len(lengths) - 1, -1, -1):
+        best[i], cut[i] = min((sum(count[i:j]) * lengths[i] + pass_rows + best[j], j)
+                              for j in range(i + 1, len(lengths) + 1))
+    groups, i = [], 0
+    while i < len(lengths):
+        members = set(lengths[i:cut[i]])
+        groups.append([b for b, m in enumerate(n) if m in members])
+        i = cut[i]
+    return groups
 
 
 class _FusedHead:
