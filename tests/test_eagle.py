@@ -57,6 +57,43 @@ def test_eagle_sequences_release_their_head_state_and_slots_are_reused(tiny):
     assert not drafter.slot and len(drafter.free) == 8
 
 
+def test_a_shut_gates_probes_draft_for_the_sequences_with_least_backlog_and_change_no_output(tiny):
+    """Every step a probe (the gate never opens): each drafts for the two sequences whose head
+    has the fewest positions to catch up on, the rest verify none, and greedy output is the
+    output of plain decoding."""
+    from serve_app.control.steps import StepPolicyConfig
+    from serve_app.engines.embedded.adaptive import StepChooser
+
+    reference = run_greedy(tiny, TINY_PROMPTS[:8], lambda s: 0, max_tokens=32, together=False)
+    drafter, calls = tiny.core.drafter, []
+    backlog, propose = drafter.backlog, drafter.propose
+
+    def spy_backlog(ids):
+        calls.append({"backlogs": dict(zip(ids, backlog(ids), strict=True))})
+        return list(calls[-1]["backlogs"].values())
+
+    def spy_propose(ids, token_ids, k):
+        calls[-1]["drafted"] = list(ids)
+        return propose(ids, token_ids, k)
+
+    tiny.core.chooser = StepChooser(StepPolicyConfig(min_gain=1e3, probe_interval_s=1e-9, probe_every_steps=1,
+                                                     probe_budget=1.0, probe_rows=2))
+    drafter.backlog, drafter.propose = spy_backlog, spy_propose
+    try:
+        assert run_greedy(tiny, TINY_PROMPTS[:8], lambda s: 3, max_tokens=32) == reference
+    finally:
+        tiny.core.chooser = None
+        del drafter.backlog, drafter.propose
+    probes = [c for c in calls if "drafted" in c and len(c["backlogs"]) > 2]
+    assert len(probes) > 10, calls
+    for c in probes:
+        least = sorted(c["backlogs"].values())[:2]
+        assert len(c["drafted"]) == 2 and sorted(c["backlogs"][r] for r in c["drafted"]) == least, c
+    # the head ran over a fraction of the positions a probe of the whole batch catches up on
+    caught_up = sum(c["backlogs"][r] for c in probes for r in c["drafted"])
+    assert caught_up < 0.25 * sum(sum(c["backlogs"].values()) for c in probes)
+
+
 def test_the_catch_up_runs_in_groups_of_like_lengths():
     assert catch_up_groups([2] * 30 + [300]) == [[30], list(range(30))]  # not 31 rows of 300
     assert catch_up_groups([2, 3, 2, 3]) == [[0, 1, 2, 3]]  # a pass costs more than a row of padding

@@ -13,6 +13,7 @@ from serve_app.control.steps import (
     StepPolicyConfig,
     choose_steps,
     expected_tokens,
+    pick_probe_rows,
     probe_spacing,
 )
 
@@ -214,6 +215,22 @@ def test_the_gate_shuts_on_low_acceptance_probes_each_interval_and_reopens():
     assert (c.num_steps, c.reason) == (1, "probe")  # a probe never passes the ceiling
     c = choose_steps(4, [0.95] * 4, cost, c.gate, 12.6, cfg)
     assert (c.num_steps > 0, c.reason, c.gate.shut) == (True, "gain", False)
+
+
+def test_a_probe_drafts_for_the_sequences_whose_head_has_least_to_catch_up_on():
+    """A shut gate's probe drafts for ``probe_rows`` sequences: those with the fewest positions
+    the draft head has not run over (a new request's prompt, every token since the gate shut),
+    the earliest on a tie. The rest verify no draft, and count one token each in its rate."""
+    cost = fitted(0.010, 0.001)
+    cfg = StepPolicyConfig(probe_every_steps=1, probe_budget=1.0, probe_rows=2)
+    backlogs = [300, 5, 200, 5, 0, 40]
+    c = choose_steps(3, [0.01] * 6, cost, GateState(True, 0.0), 2.0, cfg, backlogs)
+    assert (c.num_steps, c.reason, c.rows) == (1, "probe", (1, 4))
+    assert c.expected_tokens_per_s == pytest.approx((2 * 1.01 + 4) / cost.seconds(6, 1))
+    assert pick_probe_rows(None, 6, cfg) == (0, 1)  # no backlogs known: the first ones
+    assert pick_probe_rows(backlogs[:2], 2, cfg) is None  # a batch of probe_rows or fewer: every sequence
+    gain = choose_steps(3, [0.95] * 6, cost, GateState(True, 0.0), 2.0, cfg, backlogs)
+    assert (gain.reason, gain.rows) == ("gain", None)  # drafting that pays drafts for all
 
 
 def test_min_gain_keeps_a_marginal_draft_off():

@@ -22,7 +22,10 @@ The gate: when the estimates make every ``k > 0`` lose, speculation stops and th
 stop moving. Every ``probe_interval_s`` one step drafts ``probe_steps`` tokens anyway, no
 more often than :func:`probe_spacing` allows (the probes' extra cost within
 ``probe_budget``), so a change of traffic (copy-heavy prompts after chat) is seen and
-speculation comes back.
+speculation comes back. A probe drafts for ``probe_rows`` sequences of the batch, those with
+the least draft-head backlog: a head that has not run since the gate shut must first catch up
+on every position decoded meanwhile, prompts included, and a few sequences tell the
+acceptance as well as the whole batch.
 
 Pure: no torch, no clock, no I/O. The engine owns the state objects and the time.
 """
@@ -43,6 +46,9 @@ class StepPolicyConfig(Strict):
 
     probe_interval_s: float = Field(1.0, gt=0, description="while the gate is shut, one probing step this often")
     probe_steps: int = Field(1, ge=1, description="draft tokens of a probing step (capped by the ceiling)")
+    probe_rows: int = Field(
+        2, ge=1, description="sequences a probing step drafts for: those whose draft head has the fewest positions "
+        "to catch up on (the rest of the batch verifies no draft)")
     probe_every_steps: int = Field(4, ge=1, description="while the gate is shut, at most one probing step in this many")
     probe_budget: float = Field(
         0.02, gt=0, le=1, description="while the gate is shut, probing steps cost at most this share of step time "
@@ -282,6 +288,8 @@ class StepChoice:
     (every k > 0 loses: plain decoding), probe (a probing step while the gate is shut)."""
     gate: GateState
     expected_tokens_per_s: float = 0.0
+    rows: tuple[int, ...] | None = None
+    """The batch positions that draft (a probe's); None: every sequence."""
 
 
 def rate(acceptances: Sequence[float | Sequence[float]], k: int, cost: StepCost) -> float:
@@ -296,12 +304,23 @@ def probe_spacing(batch: int, k: int, cost: StepCost, config: StepPolicyConfig) 
     return max(config.probe_every_steps, math.ceil(extra / config.probe_budget - 1e-9))
 
 
+def pick_probe_rows(backlogs: Sequence[int] | None, batch: int, config: StepPolicyConfig) -> tuple[int, ...] | None:
+    """The batch positions a probe drafts for: the ``probe_rows`` with the least backlog (the
+    earliest in the batch on a tie; the first ones without backlogs); None: the whole batch."""
+    if batch <= config.probe_rows:
+        return None
+    order = sorted(range(batch), key=lambda i: (0 if backlogs is None else backlogs[i], i))
+    return tuple(sorted(order[:config.probe_rows]))
+
+
 def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], cost: StepCost, gate: GateState,
-                 now: float, config: StepPolicyConfig) -> StepChoice:
+                 now: float, config: StepPolicyConfig, backlogs: Sequence[int] | None = None) -> StepChoice:
     """This step's draft length: the ``k`` in ``0..ceiling`` with the most expected tokens per
     second; 0 unless it beats plain decoding by ``min_gain``. While that keeps speculation
     off, a probing step of ``probe_steps`` drafts runs every ``probe_interval_s`` and at most
-    once in :func:`probe_spacing` steps. Each acceptance is one number or one per position.
+    once in :func:`probe_spacing` steps, for the sequences :func:`pick_probe_rows` picks by
+    ``backlogs`` (each sequence's positions its draft head has yet to catch up on). Each
+    acceptance is one number or one per position.
 
     ``cost`` is asked only ``seconds(batch, k)``: any object with that method works (the
     simulator passes step times read off an engine curve)."""
@@ -320,5 +339,8 @@ def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], c
     k = min(ceiling, config.probe_steps)
     due = gate.last_probe_at is None or now - gate.last_probe_at >= config.probe_interval_s
     if due and gate.steps_since_probe + 1 >= probe_spacing(len(acceptances), k, cost, config):
-        return StepChoice(k, "probe", GateState(True, now, 0), rate(acceptances, k, cost))
+        rows = pick_probe_rows(backlogs, len(acceptances), config)
+        probed = acceptances if rows is None else [acceptances[i] for i in rows]
+        gain = sum(expected_tokens(a, k) for a in probed) + len(acceptances) - len(probed)
+        return StepChoice(k, "probe", GateState(True, now, 0), gain / cost.seconds(len(acceptances), k), rows)
     return StepChoice(0, "gate", GateState(True, gate.last_probe_at, gate.steps_since_probe + 1), plain)

@@ -42,17 +42,19 @@ class StepChooser:
         own = self.requests.get(request_id)
         return prior if own is None else own.estimate(prior, self.config.prior_trials, len(prior))
 
-    def choose(self, request_ids: list[str], ceiling: int) -> int:
+    def choose(self, request_ids: list[str], ceiling: int, backlogs: list[int] | None = None) -> StepChoice:
+        """This step's choice; ``backlogs``: each request's positions the draft head has yet to
+        catch up on (a probe drafts for the requests with the fewest)."""
         now = self.clock()
         prior = self.prior(ceiling)
         choice = choose_steps(ceiling, [self.estimate(r, prior) for r in request_ids], self.cost, self.gate, now,
-                              self.config)
+                              self.config, backlogs)
         self.gate, self.last = choice.gate, choice
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         self.history.append((now, choice.num_steps))
         while self.history and self.history[0][0] < now - WINDOW_S:
             self.history.popleft()
-        return choice.num_steps
+        return choice
 
     def observe(self, request_ids: list[str], proposed: list[int], accepted: list[int], live: list[bool], k: int,
                 seconds: float, head_s: float = 0.0, head_rows: int = 0) -> None:

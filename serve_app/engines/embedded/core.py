@@ -159,23 +159,29 @@ class EngineCore:
 
     def _decode(self, seqs: list[Sequence], ceiling: int) -> None:
         started = time.perf_counter()
-        num_steps = ceiling
+        num_steps, rows = ceiling, range(len(seqs))
+        ids = [s.request_id for s in seqs]
+        backlogs = None
         if ceiling > 0 and self.chooser is not None:
-            num_steps = self.chooser.choose([s.request_id for s in seqs], ceiling)
+            backlogs = self.drafter.backlog(ids)
+            choice = self.chooser.choose(ids, ceiling, backlogs)
+            num_steps = choice.num_steps
+            rows = rows if choice.rows is None else choice.rows  # a probe drafts for a few
         self.last_num_steps = num_steps
         drafts: list[list[int]] = [[] for _ in seqs]
         head_s, head_rows = 0.0, 0
         if num_steps > 0:
             # Never draft past what a request may still output.
-            limits = [min(num_steps, s.params.max_tokens - s.num_output_tokens - 1,
-                          num_steps if s.params.spec_max_steps is None else s.params.spec_max_steps) for s in seqs]
-            ids = [s.request_id for s in seqs]
-            if self.chooser is not None:  # what the step cost charges to the head
-                head_rows = self.drafter.backlog(ids) + len(seqs) * num_steps
+            limits = [min(num_steps, seqs[r].params.max_tokens - seqs[r].num_output_tokens - 1,
+                          num_steps if seqs[r].params.spec_max_steps is None else seqs[r].params.spec_max_steps)
+                      for r in rows]
+            if backlogs is not None:  # what the step cost charges to the head
+                head_rows = sum(backlogs[r] for r in rows) + len(rows) * num_steps
             head_started = time.perf_counter()
-            proposed = self.drafter.propose(ids, [s.token_ids for s in seqs], num_steps)
+            proposed = self.drafter.propose([ids[r] for r in rows], [seqs[r].token_ids for r in rows], num_steps)
             head_s = time.perf_counter() - head_started
-            drafts = [d[:max(lim, 0)] for d, lim in zip(proposed, limits, strict=True)]
+            for r, d, lim in zip(rows, proposed, limits, strict=True):
+                drafts[r] = d[:max(lim, 0)]
         width = 1 + max(len(d) for d in drafts)
         tokens = torch.zeros((len(seqs), width), dtype=torch.long)
         for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):

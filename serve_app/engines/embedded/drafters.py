@@ -30,9 +30,9 @@ class Drafter(Protocol):
     def release(self, seq_id: str) -> None:
         """A sequence finished; drop any state kept for it."""
 
-    def backlog(self, seq_ids: Sequence[str]) -> int:
-        """Positions of these sequences the next ``propose`` runs its model over before it
-        drafts (what was decoded since it last ran); 0 for a drafter that keeps no state."""
+    def backlog(self, seq_ids: Sequence[str]) -> list[int]:
+        """Each sequence's positions the next ``propose`` runs its model over before it drafts
+        (what was decoded since it last ran); 0 for a drafter that keeps no state."""
 
 
 class NgramDrafter:
@@ -67,8 +67,8 @@ class NgramDrafter:
     def release(self, seq_id: str) -> None:
         pass
 
-    def backlog(self, seq_ids: Sequence[str]) -> int:
-        return 0
+    def backlog(self, seq_ids: Sequence[str]) -> list[int]:
+        return [0] * len(seq_ids)
 
 
 def make_drafter(name: str, **kwargs) -> Drafter:

@@ -183,6 +183,7 @@ class EagleDrafter:
         self.slot: dict[str, int] = {}
         self.length: dict[str, int] = {}  # head positions in the cache (verified)
         self.pending: dict[str, list[torch.Tensor]] = {}  # projected target features not yet run
+        self.pending_rows: dict[str, int] = {}  # their positions
 
     @torch.inference_mode()
     def observe(self, seq_ids: Sequence[str], hidden: torch.Tensor, num_valid: Sequence[int]) -> None:
@@ -190,15 +191,17 @@ class EagleDrafter:
         for row, (sid, n) in enumerate(zip(seq_ids, num_valid, strict=True)):
             if sid not in self.slot:
                 self.slot[sid], self.length[sid], self.pending[sid] = self.free.pop(), 0, []
+                self.pending_rows[sid] = 0
             self.pending[sid].append(g[row, :n])
+            self.pending_rows[sid] += n
 
-    def backlog(self, seq_ids: Sequence[str]) -> int:
-        return sum(f.shape[0] for s in seq_ids for f in self.pending.get(s, ()))
+    def backlog(self, seq_ids: Sequence[str]) -> list[int]:
+        return [self.pending_rows.get(s, 0) for s in seq_ids]
 
     def release(self, seq_id: str) -> None:
         if seq_id in self.slot:
             self.free.append(self.slot.pop(seq_id))
-            del self.length[seq_id], self.pending[seq_id]
+            del self.length[seq_id], self.pending[seq_id], self.pending_rows[seq_id]
 
     @torch.inference_mode()
     def propose(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
@@ -218,7 +221,7 @@ class EagleDrafter:
             drafts = self._propose(feats, tokens, starts, n, slots, k)
         for s, m in zip(seq_ids, n, strict=True):
             self.length[s] += m
-            self.pending[s] = []
+            self.pending[s], self.pending_rows[s] = [], 0
         return drafts
 
     def _propose(self, feats: list[torch.Tensor], tokens: list[list[int]], starts: list[int], n: list[int],

@@ -9,8 +9,10 @@ is choose_steps' argmax of expected tokens per second and its gate, vectorized o
 ``tests/test_simulate_steps.py`` checks it against choose_steps itself, fed a
 :class:`CurveStepCost`, replica by replica.
 
-A probing step lasts one simulation step (``dt``) here, not one engine step: a probe costs the
-simulated engine more than a real one.
+A probing step lasts one simulation step (``dt``) here, not one engine step, and every running
+request drafts in it, where a real engine drafts for ``probe_rows`` of them: a probe costs the
+simulated engine more than a real one, and gains it more tokens. The draft head's catch-up is
+not simulated (a curve's T(B, k) is a step of drafting that goes on).
 """
 
 from __future__ import annotations
