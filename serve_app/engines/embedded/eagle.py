@@ -280,8 +280,10 @@ class EagleDrafter:
 
 
 PASS_ROWS = 16
-"""A catch-up pass of its own costs about as much as this many padded rows: the float32 head on
-the 2-core CPU of docs/benchmarks.md takes ~3.8 ms a pass and ~0.22 ms a row."""
+"""What a catch-up pass of its own counts for, in padded rows. The float32 head's fit in
+docs/benchmarks.md (`bench steps`) is 2.3 ms a pass and 0.074 ms a position, a pass worth ~30
+rows; the split pays where lengths differ by hundreds (a prompt against 1 + accepted), and
+below that a few rows either way cost little."""
 
 
 def catch_up_groups(n: Sequence[int], pass_rows: int = PASS_ROWS) -> list[list[int]]:
