@@ -79,11 +79,13 @@ def test_a_shut_gates_probes_draft_for_the_sequences_with_least_backlog_and_chan
     tiny.core.chooser = StepChooser(StepPolicyConfig(min_gain=1e3, probe_interval_s=1e-9, probe_every_steps=1,
                                                      probe_budget=1.0, probe_rows=2))
     drafter.backlog, drafter.propose = spy_backlog, spy_propose
+    accepted = tiny.core.totals["accepted"]
     try:
         assert run_greedy(tiny, TINY_PROMPTS[:8], lambda s: 3, max_tokens=32) == reference
     finally:
         tiny.core.chooser = None
         del drafter.backlog, drafter.propose
+    assert tiny.core.totals["accepted"] > accepted, "no probe's draft was accepted: verify went untested"
     probes = [c for c in calls if "drafted" in c and len(c["backlogs"]) > 2]
     assert len(probes) > 10, calls
     for c in probes:
