@@ -212,7 +212,7 @@ class EngineCore:
         self.stats.record(emitted, proposed_n, accepted_n, verifies)
         if self.chooser is not None:
             live = [s.status is not Status.FINISHED for s in seqs]
-            self.chooser.observe([s.request_id for s in seqs], [len(d) for d in drafts], accepted_per_seq, live,
+            self.chooser.observe(ids, [len(d) for d in drafts], accepted_per_seq, live,
                                  width - 1, time.perf_counter() - started, head_s, head_rows)
 
     def _observe(self, seqs: list[Sequence], hidden: torch.Tensor, num_valid: list[int]) -> None:
