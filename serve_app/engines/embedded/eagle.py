@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -292,7 +293,8 @@ def catch_up_groups(n: Sequence[int], pass_rows: int = PASS_ROWS) -> list[list[i
     resuming after plain steps (or new, with its prompt) catches up on hundreds of positions
     where the rest catch up on ``1 + accepted``; one pass would pad every row to its length."""
     lengths = sorted(set(n), reverse=True)
-    count = [sum(1 for m in n if m == length) for length in lengths]
+    tally = Counter(n)
+    count = [tally[length] for length in lengths]
     # best[i]: the fewest rows for the sequences of lengths[i:], in groups of neighbouring lengths
     best, cut = [0] * (len(lengths) + 1), [0] * len(lengths)
     for i in range(len(lengths) - 1, -1, -1):
