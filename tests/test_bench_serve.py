@@ -12,7 +12,15 @@ import pytest
 from serve_app.tools.bench.__main__ import main
 from serve_app.tools.bench.client import Record, with_overrides
 from serve_app.tools.bench.serve import window_order
-from serve_app.tools.bench.trace import make_trace, policy_stats, rates_from_sweep
+from serve_app.tools.bench.trace import (
+    Replay,
+    make_trace,
+    policy_stats,
+    pooled_stats,
+    rates_from_sweep,
+    run_slo,
+    slo_source,
+)
 
 ROW_FIELDS = {"policy", "concurrency", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
               "tpot_p99_ms", "switches"}
@@ -40,7 +48,8 @@ def results(reset_tiny_app, tmp_path_factory):
                  "--repeats", "2", *FAST, "--out", str(out / "serve_sweep.json")]) == 0
     assert main(["trace", "--url", url, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN", "--trace", "bursty",
                  "--phases", "3", "--phase-s", "1.5", "--low-rate", "1", "--high-rate", "8", "--seed", "7",
-                 "--max-tokens", "8", "--ignore-eos", "--tpot-slo-ms", "1000", "--out", str(out / "serve_trace.json")]) == 0
+                 "--max-tokens", "8", "--ignore-eos", "--tpot-slo-ms", "1000", "--rounds", "2",
+                 "--out", str(out / "serve_trace.json")]) == 0
     return out
 
 
@@ -91,17 +100,20 @@ def test_bench_serve_pins_spec_and_off_and_lets_the_policy_choose_under_dynamic(
     assert rows["dynamic", 6]["mean_load_per_replica"] > rows["dynamic", 1]["mean_load_per_replica"]
 
 
-def test_bench_trace_replays_the_same_arrivals_against_each_policy(results):
+def test_bench_trace_replays_the_same_arrivals_against_each_policy_in_rounds(results):
     trace = json.loads((results / "serve_trace.json").read_text())
 
     assert set(trace["policies"]) == {"spec", "off", "dynamic"}
+    assert trace["meta"]["rounds"] == 2 and trace["meta"]["tpot_slo_from"] == "ms"
     assert trace["trace"]["arrivals"] == make_trace("bursty", 7, 1, 8, 1.5, 3)["arrivals"]
     n = len(trace["trace"]["arrivals"])
     for s in trace["policies"].values():
-        assert s["num_requests"] == n and s["errors"] == 0
+        assert s["num_requests"] == 2 * n and s["errors"] == 0  # both rounds pooled
         assert 0 < s["goodput_tokens_per_s"] <= s["output_tokens_per_s"]
         assert set(s["phases"]) == {"low", "high"} and s["tpot_p50_low_load_ms"] == s["phases"]["low"]["tpot_p50_ms"]
         assert s["switches"] is not None and s["timeline"]["mode"] and len(s["timeline"]["requests"]) == n
+        assert len(s["rounds"]) == 2 and all(r["goodput_tokens_per_s"] > 0 for r in s["rounds"])
+        assert s["goodput_at_slo_x"]["1"] == s["goodput_tokens_per_s"]
 
 
 def test_trace_rates_and_slo_can_come_from_a_sweep_of_the_same_machine(results):
@@ -175,6 +187,40 @@ def test_goodput_counts_only_the_tokens_of_requests_within_the_tpot_slo():
     s = policy_stats([fast, slow, failed], wall_s=2.0, slo_ms=20)
     assert s["output_tokens_per_s"] == 11.0 and s["goodput_tokens_per_s"] == 5.5 and s["errors"] == 1
     assert s["tpot_p50_low_load_ms"] == pytest.approx(10) and s["phases"]["high"]["slo_attainment"] == 0
+
+
+def _record(i: int, tpot_ms: float, phase: str, tokens: int = 11) -> Record:
+    return Record(0.0, i, output_tokens=tokens, chunk_times=[0.1 + tpot_ms / 1000 * j for j in range(tokens)],
+                  phase=phase)
+
+
+def test_a_policy_s_rounds_pool_into_one_figure_and_each_round_keeps_its_own():
+    one = Replay([_record(0, 10, "low"), _record(1, 50, "high")], wall_s=2.0, switches=1, timeline={"mode": [1]})
+    two = Replay([_record(0, 12, "low"), _record(1, 28, "high")], wall_s=2.0, switches=2, timeline={"mode": [2]})
+
+    s = pooled_stats([one, two], slo_ms=40)
+    assert s["num_requests"] == 4 and s["output_tokens_per_s"] == 11.0  # 44 tokens over 4 s
+    assert s["goodput_tokens_per_s"] == 8.25  # the 50 ms request misses the 40 ms SLO
+    assert [r["goodput_tokens_per_s"] for r in s["rounds"]] == [5.5, 11.0]
+    assert s["rounds"][0]["tpot_p50_by_phase_ms"] == {"low": pytest.approx(10), "high": pytest.approx(50)}
+    assert s["switches"] == 3 and s["timeline"] == {"mode": [1]}  # the first round's timeline, for the plot
+    assert s["goodput_at_slo_x"] == {"0.75": 8.25, "1": 8.25, "1.5": 11.0, "2": 11.0}  # 30, 40, 60, 80 ms: 28 ms meets all four
+
+
+def test_the_run_s_slo_is_off_s_low_phase_tpot_and_its_source_is_checked():
+    off = [_record(0, 10, "low"), _record(1, 14, "low"), _record(2, 12, "low"), _record(3, 90, "high"),
+           Record(0.0, 4, error="HTTP 429", phase="low")]
+    assert run_slo(off) == 18.0  # 1.5 x the median of 10, 12, 14; the burst and the failed request left out
+    assert run_slo([_record(0, 90, "high")]) is None
+
+    assert slo_source(20.0, None, ["spec", "off"], 17.0) == "ms"
+    assert slo_source(None, None, ["spec", "off"], 17.0) == "run"  # off runs: its low phases set the SLO
+    assert slo_source(None, None, ["spec", "dynamic"], 17.0) == "sweep"
+    assert slo_source(None, None, ["spec", "dynamic"], None) == "default"
+    assert slo_source(None, "sweep", ["off"], 17.0) == "sweep"
+    for bad in ((20.0, "run", ["off"], None), (None, "run", ["spec"], None), (None, "sweep", ["off"], None)):
+        with pytest.raises(SystemExit):
+            slo_source(*bad)
 
 
 def test_a_request_s_tokens_are_spread_over_its_chunks_for_windowed_throughput():

@@ -13,10 +13,18 @@ Traces (seeded, so every policy sees the very same arrivals):
 low = half the request rate of ``spec`` at the sweep's lowest concurrency, high = 0.9 x the
 request rate of ``off`` at its highest concurrency (near what plain decoding sustains).
 
-Each policy replays the trace from an idle application (``dynamic`` from its top tier).
-Per policy: output tokens/s, goodput (tokens/s of the requests whose TPOT met
-``--tpot-slo-ms``), TTFT/TPOT p50/p99 overall and per phase, switches, and a timeline of
-load, mode and per-request TPOT for the report's plot.
+Each policy replays the trace from an idle application (``dynamic`` from its top tier),
+``--rounds`` times, every round after the first in the reverse order of the one before (spec,
+off, dynamic, dynamic, off, spec), so a drift of the machine's speed over the run weighs on
+every policy alike. Per policy, its rounds pooled: output tokens/s, goodput (tokens/s of the
+requests whose TPOT met the SLO), TTFT/TPOT p50/p99 overall and per phase, switches, goodput at
+other multiples of the SLO, each round's own figures, and the first round's timeline of load,
+mode and per-request TPOT for the report's plot.
+
+The TPOT SLO (``--tpot-slo-from``): ``run``, 1.5 x off's TPOT p50 over the low phases of this
+very run (the default when ``off`` is among the policies), so that it moves with the machine's
+speed as the replays do; ``sweep``, 1.5 x off's TPOT p50 at the ``--rates-from`` sweep's lowest
+concurrency; or ``--tpot-slo-ms``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -41,7 +50,7 @@ from .client import (
     run_against_target,
 )
 from .engine import _f as f
-from .serve import meta, policy_list, spec_steps_of
+from .serve import meta, policy_list, spec_steps_of, window_order
 from .stats import emit, summarize
 
 HELP = "an open-loop bursty or diurnal trace replayed against spec, off and dynamic"
@@ -58,25 +67,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low-rate", type=float, default=0.3, help="requests/s in low phases (default 0.3)")
     p.add_argument("--high-rate", type=float, default=3.0, help="requests/s in high phases (default 3)")
     p.add_argument("--rates-from", default=None, help="a `bench serve` JSON: derive both rates from it")
-    p.add_argument("--tpot-slo-ms", type=float, default=None,
-                   help="TPOT SLO of goodput (default: 1.5 x off's TPOT p50 at the sweep's lowest concurrency "
-                        "with --rates-from, else 100)")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT SLO of goodput, in ms (default: --tpot-slo-from)")
+    p.add_argument("--tpot-slo-from", choices=SLO_SOURCES, default=None,
+                   help="run: 1.5 x off's TPOT p50 in this run's low phases (the default with off among the "
+                        "policies); sweep: 1.5 x off's TPOT p50 at the lowest concurrency of --rates-from; "
+                        "else 100 ms")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="replays of the trace per policy, in mirrored order (default 1)")
     p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: the ladder's top tier)")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
 
 
+SLO_SOURCES = ("run", "sweep")
+SLO_SCALE = 1.5  # the SLO: off's TPOT p50 at low load, plus 50 %
+GOODPUT_AT = (0.75, 1.0, 1.5, 2.0)  # goodput is also given at these multiples of the SLO
+
+
 def run(args: argparse.Namespace) -> int:
-    slo = 100.0
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    sweep_slo = None
     if args.rates_from:
         with open(args.rates_from) as f:
-            args.low_rate, args.high_rate, slo = rates_from_sweep(json.load(f))
-    args.tpot_slo_ms = args.tpot_slo_ms or slo
+            args.low_rate, args.high_rate, sweep_slo = rates_from_sweep(json.load(f))
+    args.slo_source = slo_source(args.tpot_slo_ms, args.tpot_slo_from, args.policies, sweep_slo)
+    if args.slo_source == "sweep":
+        args.tpot_slo_ms = sweep_slo
+    elif args.slo_source == "default":
+        args.tpot_slo_ms = 100.0
     trace = load_or_make_trace(args)
     result = run_against_target(args, lambda target: replay_all(target, trace, args))
     return emit(result, format_table(result), args.out)
 
 
 # -- traces (pure) -----------------------------------------------------------------------
+def slo_source(slo_ms: float | None, source: str | None, policies: list[str], sweep_slo: float | None) -> str:
+    """Where the SLO comes from: ``ms`` (given), ``run``, ``sweep`` or ``default`` (100 ms)."""
+    if slo_ms is not None:
+        if source is not None:
+            raise SystemExit("give --tpot-slo-ms or --tpot-slo-from, not both")
+        return "ms"
+    if source == "run" and "off" not in policies:
+        raise SystemExit("--tpot-slo-from run reads off's TPOT in this run: add off to --policies")
+    if source == "sweep" and sweep_slo is None:
+        raise SystemExit("--tpot-slo-from sweep reads the sweep of --rates-from: give one")
+    return source or ("run" if "off" in policies else "sweep" if sweep_slo is not None else "default")
+
+
+def run_slo(off_records: list) -> float | None:
+    """1.5 x the TPOT p50 of off's requests in the low phases (None: none of them had a TPOT)."""
+    tpots = [r.timing.tpot_s for r in off_records if r.ok and r.phase == "low" and r.timing.tpot_s is not None]
+    return round(SLO_SCALE * 1000 * float(np.median(tpots)), 1) if tpots else None
+
+
 def rates_from_sweep(sweep: dict) -> tuple[float, float, float]:
     """(low rate, high rate, TPOT SLO ms) from a ``bench serve`` result (see the module docstring)."""
     rows = sweep["rows"]
@@ -126,13 +169,22 @@ def load_or_make_trace(args: argparse.Namespace) -> dict:
     return trace
 
 
+def goodput(records: list, wall_s: float, slo_ms: float) -> float:
+    """Tokens/s of the requests that succeeded with a TPOT within ``slo_ms``."""
+    return round(sum(r.output_tokens for r in records if r.ok and _meets(r, slo_ms)) / wall_s, 3)
+
+
+def _meets(r, slo_ms: float) -> bool:
+    tpot = r.timing.tpot_s
+    return tpot is None or tpot * 1000 <= slo_ms
+
+
 def policy_stats(records: list, wall_s: float, slo_ms: float) -> dict:
-    """Throughput, goodput and latency of one replay, overall and per phase."""
+    """Throughput, goodput and latency of one replay (or of rounds pooled), overall and per phase."""
     ok = [r for r in records if r.ok]
 
     def meets(r) -> bool:
-        tpot = r.timing.tpot_s
-        return tpot is None or tpot * 1000 <= slo_ms
+        return _meets(r, slo_ms)
 
     def latency(rs: list) -> dict:
         s = summarize([r.timing for r in rs], wall_s)
@@ -142,7 +194,7 @@ def policy_stats(records: list, wall_s: float, slo_ms: float) -> dict:
     phases = {name: latency([r for r in ok if r.phase == name]) for name in dict.fromkeys(r.phase for r in records)}
     return latency(ok) | {
         "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / wall_s, 3),
-        "goodput_tokens_per_s": round(sum(r.output_tokens for r in ok if meets(r)) / wall_s, 3),
+        "goodput_tokens_per_s": goodput(ok, wall_s, slo_ms),
         "tpot_p50_low_load_ms": phases.get("low", {}).get("tpot_p50_ms"),
         "errors": len(records) - len(ok),
         "wall_s": round(wall_s, 3),
@@ -151,8 +203,36 @@ def policy_stats(records: list, wall_s: float, slo_ms: float) -> dict:
 
 
 # -- replay ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Replay:
+    """One replay of the trace under one policy: its records, wall time, switches and timeline."""
+
+    records: list
+    wall_s: float
+    switches: int | None
+    timeline: dict
+
+
+def pooled_stats(replays: list[Replay], slo_ms: float) -> dict:
+    """A policy's figures over its rounds pooled; ``rounds``: each round's own headline figures."""
+    records = [r for rp in replays for r in rp.records]
+    wall = sum(rp.wall_s for rp in replays)
+    stats = policy_stats(records, wall, slo_ms)
+    switches = [rp.switches for rp in replays]
+    stats["switches"] = None if None in switches else sum(switches)
+    stats["goodput_at_slo_x"] = {f"{x:g}": goodput(records, wall, x * slo_ms) for x in GOODPUT_AT}
+    stats["rounds"] = []
+    for rp in replays:
+        s = policy_stats(rp.records, rp.wall_s, slo_ms)
+        stats["rounds"].append({k: s[k] for k in ("output_tokens_per_s", "goodput_tokens_per_s", "tpot_p50_ms")}
+                               | {"tpot_p50_by_phase_ms": {n: ph["tpot_p50_ms"] for n, ph in s["phases"].items()},
+                                  "switches": rp.switches})
+    stats["timeline"] = replays[0].timeline
+    return stats
+
+
 async def replay(target: Target, trace: dict, prompts: list[list[dict]], args: argparse.Namespace,
-                 bar: tqdm) -> dict:
+                 bar: tqdm) -> Replay:
     """One policy's replay of the trace (the policy is already applied)."""
     async def one(i: int, arrival: dict):
         await asyncio.sleep(max(0.0, start + arrival["t"] - time.perf_counter()))
@@ -165,15 +245,13 @@ async def replay(target: Target, trace: dict, prompts: list[list[dict]], args: a
         start = time.perf_counter()
         records = await asyncio.gather(*(one(i, a) for i, a in enumerate(trace["arrivals"])))
         end = max([start + trace["duration_s"], *(r.end for r in records)])
-    stats = policy_stats(records, end - start, args.tpot_slo_ms)
-    stats["switches"] = poller.summary(start, end + 1)["switches"]
-    stats["timeline"] = {
+    timeline = {
         "mode": [[round(t - start, 3), k, round(load, 3)] for t, k, load, *_ in poller.window(start, end + 1)],
         "requests": [[round(r.start - start, 3), r.phase, round(r.timing.ttft_s * 1000, 2),
                       None if r.timing.tpot_s is None else round(r.timing.tpot_s * 1000, 2), r.output_tokens]
                      for r in records if r.ok],
     }
-    return stats
+    return Replay(records, end - start, poller.summary(start, end + 1)["switches"], timeline)
 
 
 async def replay_all(target: Target, trace: dict, args: argparse.Namespace) -> dict:
@@ -181,27 +259,38 @@ async def replay_all(target: Target, trace: dict, args: argparse.Namespace) -> d
     top = status["policy"]["tiers"][0]["num_steps"]
     prompts = prompt_messages(args.prompt_set.split(","))
     await asyncio.gather(*(target.chat(i, prompts[i], 8, True) for i in range(2)))  # one-off costs
-    policies = {}
+    replays: dict[str, list[Replay]] = {p: [] for p in args.policies}
+    order = window_order(args.policies, args.rounds)
     n = len(trace["arrivals"])
-    with tqdm(total=n * len(args.policies), desc="bench trace", unit="req", file=sys.stderr) as bar:
-        for policy in args.policies:
-            bar.set_postfix_str(policy)
+    with tqdm(total=n * len(order), desc="bench trace", unit="req", file=sys.stderr) as bar:
+        for i, policy in enumerate(order):
+            bar.set_postfix_str(f"{policy} (round {i // len(args.policies) + 1} of {args.rounds})")
             await target.apply_policy(policy, spec_steps)
             # Start idle; dynamic from its low-load tier, as after a quiet spell.
             idle = (lambda s: s["cluster_queue"] == 0 and all_replicas_at(s, top)) if policy in (
                 "dynamic", "two-level") else (
                 lambda s: s["cluster_queue"] == 0)
             await target.wait_for(idle, 60)
-            policies[policy] = await replay(target, trace, prompts, args, bar)
+            replays[policy].append(await replay(target, trace, prompts, args, bar))
     await target.restore(status)
-    return {"meta": meta(args, target, status, spec_steps) | {"tpot_slo_ms": args.tpot_slo_ms},
+    if args.slo_source == "run":
+        args.tpot_slo_ms = run_slo([r for rp in replays["off"] for r in rp.records])
+        if args.tpot_slo_ms is None:
+            raise SystemExit("off's low phases gave no TPOT (no request of more than one token): "
+                             "give --tpot-slo-ms")
+    policies = {p: pooled_stats(rs, args.tpot_slo_ms) for p, rs in replays.items()}
+    return {"meta": meta(args, target, status, spec_steps) | {"tpot_slo_ms": args.tpot_slo_ms,
+                                                                "tpot_slo_from": args.slo_source,
+                                                                "rounds": args.rounds},
             "trace": trace, "policies": policies}
 
 
 def format_table(result: dict) -> str:
     m, tr = result["meta"], result["trace"]
+    rounds = m.get("rounds", 1)
     lines = [f"trace {tr['kind']} (seed {tr.get('seed')}), {len(tr['arrivals'])} requests over {tr['duration_s']:.0f}s, "
-             f"TPOT SLO {m['tpot_slo_ms']} ms; latencies in ms",
+             f"{rounds} round(s) a policy, TPOT SLO {m['tpot_slo_ms']} ms ({m.get('tpot_slo_from', 'given')}); "
+             "latencies in ms",
              f"{'policy':>8} {'tok/s':>7} {'goodput':>7} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>8} "
              f"{'tpot p99':>8} {'low tpot50':>10} {'switch':>6} {'err':>4}"]
     for name, s in result["policies"].items():
@@ -209,5 +298,14 @@ def format_table(result: dict) -> str:
                      f"{f(s['ttft_p50_ms'], '9.1f')} {f(s['ttft_p99_ms'], '9.1f')} {f(s['tpot_p50_ms'], '8.1f')} "
                      f"{f(s['tpot_p99_ms'], '8.1f')} {f(s['tpot_p50_low_load_ms'], '10.1f')} "
                      f"{f(s['switches'], '6d')} {s['errors']:>4}")
+    xs = list(GOODPUT_AT)
+    lines.append("goodput at multiples of the SLO" + (", and each round's goodput" if rounds > 1 else ""))
+    lines.append(f"{'policy':>8} " + " ".join(f"{f'{x:g}x':>7}" for x in xs) + ("  rounds" if rounds > 1 else ""))
+    for name, s in result["policies"].items():
+        at = s.get("goodput_at_slo_x", {})
+        row = f"{name:>8} " + " ".join(f(at.get(f"{x:g}"), "7.1f") for x in xs)
+        if rounds > 1:
+            row += "  " + ", ".join(f"{r['goodput_tokens_per_s']:.1f}" for r in s.get("rounds", []))
+        lines.append(row)
     return "\n".join(lines)
 
