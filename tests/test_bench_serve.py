@@ -214,10 +214,10 @@ def test_the_run_s_slo_is_off_s_low_phase_tpot_and_its_source_is_checked():
     assert run_slo([_record(0, 90, "high")]) is None
 
     assert slo_source(20.0, None, ["spec", "off"], 17.0) == "ms"
-    assert slo_source(None, None, ["spec", "off"], 17.0) == "run"  # off runs: its low phases set the SLO
-    assert slo_source(None, None, ["spec", "dynamic"], 17.0) == "sweep"
+    assert slo_source(None, None, ["spec", "off"], 17.0) == "sweep"  # --rates-from: the sweep's
+    assert slo_source(None, None, ["spec", "off"], None) == "run"  # else off's low phases in this run
     assert slo_source(None, None, ["spec", "dynamic"], None) == "default"
-    assert slo_source(None, "sweep", ["off"], 17.0) == "sweep"
+    assert slo_source(None, "run", ["off"], 17.0) == "run"
     for bad in ((20.0, "run", ["off"], None), (None, "run", ["spec"], None), (None, "sweep", ["off"], None)):
         with pytest.raises(SystemExit):
             slo_source(*bad)

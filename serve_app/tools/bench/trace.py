@@ -22,9 +22,9 @@ other multiples of the SLO, each round's own figures, and the first round's time
 mode and per-request TPOT for the report's plot.
 
 The TPOT SLO (``--tpot-slo-from``): ``run``, 1.5 x off's TPOT p50 over the low phases of this
-very run (the default when ``off`` is among the policies), so that it moves with the machine's
-speed as the replays do; ``sweep``, 1.5 x off's TPOT p50 at the ``--rates-from`` sweep's lowest
-concurrency; or ``--tpot-slo-ms``.
+very run, so that it moves with the machine's speed as the replays do; ``sweep``, 1.5 x off's
+TPOT p50 at the ``--rates-from`` sweep's lowest concurrency (the default with ``--rates-from``;
+else ``run`` where ``off`` runs); or ``--tpot-slo-ms``.
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates-from", default=None, help="a `bench serve` JSON: derive both rates from it")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT SLO of goodput, in ms (default: --tpot-slo-from)")
     p.add_argument("--tpot-slo-from", choices=SLO_SOURCES, default=None,
-                   help="run: 1.5 x off's TPOT p50 in this run's low phases (the default with off among the "
-                        "policies); sweep: 1.5 x off's TPOT p50 at the lowest concurrency of --rates-from; "
-                        "else 100 ms")
+                   help="run: 1.5 x off's TPOT p50 in this run's low phases; sweep: 1.5 x off's TPOT p50 at "
+                        "the lowest concurrency of --rates-from (the default with --rates-from, else run where "
+                        "off runs, else 100 ms)")
     p.add_argument("--rounds", type=int, default=1,
                    help="replays of the trace per policy, in mirrored order (default 1)")
     p.add_argument("--spec-steps", type=int, default=None, help="num_steps of 'spec' (default: the ladder's top tier)")
@@ -111,7 +111,7 @@ def slo_source(slo_ms: float | None, source: str | None, policies: list[str], sw
         raise SystemExit("--tpot-slo-from run reads off's TPOT in this run: add off to --policies")
     if source == "sweep" and sweep_slo is None:
         raise SystemExit("--tpot-slo-from sweep reads the sweep of --rates-from: give one")
-    return source or ("run" if "off" in policies else "sweep" if sweep_slo is not None else "default")
+    return source or ("sweep" if sweep_slo is not None else "run" if "off" in policies else "default")
 
 
 def run_slo(off_records: list) -> float | None:
