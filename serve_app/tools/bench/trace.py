@@ -96,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.slo_source == "default":
         args.tpot_slo_ms = 100.0
     trace = load_or_make_trace(args)
+    if args.slo_source == "run" and not any(a["phase"] == "low" for a in trace["arrivals"]):
+        raise SystemExit("the SLO of this run is read off off's low phases, and this trace has none: "
+                         "give --tpot-slo-ms")
     result = run_against_target(args, lambda target: replay_all(target, trace, args))
     return emit(result, format_table(result), args.out)
 
@@ -183,13 +186,11 @@ def policy_stats(records: list, wall_s: float, slo_ms: float) -> dict:
     """Throughput, goodput and latency of one replay (or of rounds pooled), overall and per phase."""
     ok = [r for r in records if r.ok]
 
-    def meets(r) -> bool:
-        return _meets(r, slo_ms)
-
     def latency(rs: list) -> dict:
         s = summarize([r.timing for r in rs], wall_s)
         keys = ("num_requests", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
-        return {k: s[k] for k in keys} | {"slo_attainment": round(sum(map(meets, rs)) / len(rs), 4) if rs else None}
+        met = sum(_meets(r, slo_ms) for r in rs)
+        return {k: s[k] for k in keys} | {"slo_attainment": round(met / len(rs), 4) if rs else None}
 
     phases = {name: latency([r for r in ok if r.phase == name]) for name in dict.fromkeys(r.phase for r in records)}
     return latency(ok) | {
