@@ -340,3 +340,10 @@ def test_every_nth_request_is_sampled_with_its_index_as_seed():
     assert [sampling_for(i, 3) for i in range(6)] == [(0.0, None), (0.0, None), (1.0, 2), (0.0, None), (0.0, None),
                                                       (1.0, 5)]
     assert {sampling_for(i, 0) for i in range(5)} == {(0.0, None)}
+
+
+def test_a_run_slo_on_a_trace_without_low_phases_is_refused_before_any_replay(tmp_path):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"arrivals": [{"t": 0.5}, {"t": 1.0}]}))  # one phase: "all"
+    with pytest.raises(SystemExit, match="has none"):
+        main(["trace", "--url", "http://127.0.0.1:9", "--trace", str(trace), "--tpot-slo-from", "run"])
