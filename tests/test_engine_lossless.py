@@ -42,6 +42,10 @@ def test_tiny_model_output_is_identical_for_every_num_steps_and_random_switches(
         assert run_greedy(tiny, TINY_PROMPTS, random_schedule(seed), max_tokens=40, together=together) == reference
     assert tiny.core.totals["accepted"] > 0, "drafts were never accepted: the test did not exercise verify"
     assert tiny.core.totals["proposed"] > tiny.core.totals["accepted"], "drafts were never rejected"
+    counts = tiny.core.verify_counts  # (drafts, accepted) per verify, as bench acceptance reads them
+    assert sum(counts.values()) == tiny.core.totals["verifies"]
+    assert sum(k * n for (k, _), n in counts.items()) == tiny.core.totals["proposed"]
+    assert sum(a * n for (_, a), n in counts.items()) == tiny.core.totals["accepted"]
 
 
 def test_more_requests_than_slots_queue_and_still_match(tiny):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
@@ -75,6 +75,7 @@ class EngineCore:
         self.last_num_steps = 0  # what the last decode step drafted
         self.stats = StepStats()
         self.totals = {"proposed": 0, "accepted": 0, "verifies": 0, "steps": 0, "output_tokens": 0}
+        self.verify_counts: Counter[tuple[int, int]] = Counter()  # (drafts verified, accepted) -> verifies
         self.device = model.device
         # Layers whose inputs a hidden-state drafter reads; None: the plain final hidden.
         self.taps = getattr(drafter, "feature_layers", None) if drafter.needs_hidden else None
@@ -206,6 +207,7 @@ class EngineCore:
                 self.totals["proposed"] += len(draft)
                 self.totals["accepted"] += n
                 self.totals["verifies"] += 1
+                self.verify_counts[len(draft), n] += 1
             emitted += self._append(seq, out, raw.get(row))
         if self.drafter.needs_hidden:
             self._observe(seqs, hidden, [1 + n for n in accepted_per_seq])

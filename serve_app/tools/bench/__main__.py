@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import agreement, efficiency, engine, faults, memory, ops, report, serve, steps, trace
+from . import acceptance, agreement, efficiency, engine, faults, memory, ops, report, serve, steps, trace
 
 COMMANDS = {"engine": engine, "steps": steps, "serve": serve, "trace": trace, "report": report, "faults": faults,
             "memory": memory, "ops": ops, "agreement": agreement,
-            "efficiency": efficiency}
+            "efficiency": efficiency, "acceptance": acceptance}
 
 
 def main(argv: list[str] | None = None) -> int:
