@@ -66,3 +66,15 @@ def test_bench_acceptance_measures_every_class_and_bounds_on_a_steps_result(tmp_
     assert [(r["batch"], r["ceiling"]) for r in result["bound"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert result["meta"]["cost"]["base"] == 0.01
     assert "acceptance by position" in capsys.readouterr().out
+
+
+def test_lengths_per_distinct_acceptance_find_what_a_search_over_every_sequence_finds():
+    import itertools
+
+    from serve_app.control.steps import expected_tokens
+
+    accs = [[0.9, 0.8, 0.7], [0.3, 0.2, 0.2], [0.9, 0.8, 0.7], [0.6, 0.5, 0.5], [0.3, 0.2, 0.2]]
+    every = max((sum(expected_tokens(a, k) for a, k in zip(accs, ks, strict=True)) / COST.seconds(ks), ks)
+                for ks in itertools.product(range(4), repeat=len(accs)))
+    rate, ks = best_lengths(accs, 3, COST, per_sequence=True)
+    assert rate == pytest.approx(every[0]) and ks[0] == ks[2] and ks[1] == ks[4]

@@ -170,11 +170,17 @@ class LinearCost:
 def best_lengths(acceptances: list[list[float]], ceiling: int, cost: LinearCost,
                  per_sequence: bool) -> tuple[float, tuple[int, ...]]:
     """(expected tokens/s, lengths): the best one length for all (``per_sequence`` False) or the
-    best length for each sequence, among 0..ceiling (exhaustive)."""
-    n = len(acceptances)
-    options = itertools.product(range(ceiling + 1), repeat=n) if per_sequence else ((k,) * n for k in range(ceiling + 1))
-    best = (-1.0, (0,) * n)
-    for lengths in options:
+    best length for each sequence, among 0..ceiling. Per sequence, sequences of one acceptance
+    take one length: under the best rate r the choice splits into each sequence's own best of
+    ``expected_tokens - r * its cost``, the same for like sequences, once the longest draft
+    (the head's passes) is fixed; so the search runs over a length per distinct acceptance."""
+    groups = list(dict.fromkeys(tuple(a) for a in acceptances))
+    which = [groups.index(tuple(a)) for a in acceptances]
+    options = itertools.product(range(ceiling + 1), repeat=len(groups)) if per_sequence \
+        else ((k,) * len(groups) for k in range(ceiling + 1))
+    best = (-1.0, (0,) * len(acceptances))
+    for by_group in options:
+        lengths = tuple(by_group[g] for g in which)
         rate = sum(expected_tokens(a, k) for a, k in zip(acceptances, lengths, strict=True)) / cost.seconds(lengths)
         if rate > best[0]:
             best = (rate, lengths)
