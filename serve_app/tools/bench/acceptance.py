@@ -42,6 +42,7 @@ from .client import sampling_for
 from .engine import IGNORE_EOS, _int_list, timed_request
 from .prompts import PROMPT_SETS, chat_messages
 from .stats import emit
+from .steps import mixed_prompt_set
 
 HELP = "acceptance by draft position per kind of request, and the most a draft length per sequence could add"
 
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 def class_of(i: int) -> str:
     """The class of request i of ``bench steps``' mixed workload."""
     temperature, _ = sampling_for(i, 3)
-    return f"{'chat' if i % 2 == 0 else 'copy'} t={temperature:g}"
+    return f"{mixed_prompt_set(i)} t={temperature:g}"
 
 
 def position_acceptance(counts: Counter, depth: int) -> list[float | None]:
@@ -119,10 +120,10 @@ async def measure(args: argparse.Namespace) -> dict:
             for name in CLASSES:
                 bar.set_postfix_str(name)
                 kind, temp = name.split(" t=")
+                sampled = temp != "0"
                 prompts = [engine.apply_chat_template(chat_messages(p)) for p in PROMPT_SETS[kind]]
                 before, tokens = Counter(engine.core.verify_counts), 0
                 for i in range(args.requests):
-                    sampled = temp != "0"
                     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0 if sampled else 0.0,
                                             top_p=1.0, seed=i if sampled else None, ignore_eos=IGNORE_EOS)
                     tokens += (await timed_request(engine, prompts[i % len(prompts)], args.max_tokens,

@@ -53,9 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the results as JSON to this file")
 
 
+def mixed_prompt_set(i: int) -> str:
+    """The prompt set of request i of the mixed workload: chat when i is even, copy when odd."""
+    return "chat" if i % 2 == 0 else "copy"
+
+
 def mixed(i: int, rendered: dict[str, list[str]], max_tokens: int) -> tuple[str, SamplingParams]:
     """Request i of the mixed workload: its prompt and sampling."""
-    prompts = rendered["chat" if i % 2 == 0 else "copy"]
+    prompts = rendered[mixed_prompt_set(i)]
     temperature, seed = sampling_for(i, 3)
     return prompts[(i // 2) % len(prompts)], SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=1.0, seed=seed, ignore_eos=IGNORE_EOS)
