@@ -15,6 +15,7 @@ from serve_app.tools.bench.serve import window_order
 from serve_app.tools.bench.trace import (
     Replay,
     make_trace,
+    off_overloaded,
     policy_stats,
     pooled_stats,
     rates_from_sweep,
@@ -105,6 +106,7 @@ def test_bench_trace_replays_the_same_arrivals_against_each_policy_in_rounds(res
 
     assert set(trace["policies"]) == {"spec", "off", "dynamic"}
     assert trace["meta"]["rounds"] == 2 and trace["meta"]["tpot_slo_from"] == "ms"
+    assert trace["meta"]["off_overloaded"] is False  # 1 req/s of 8 tokens in the low phases
     assert trace["trace"]["arrivals"] == make_trace("bursty", 7, 1, 8, 1.5, 3)["arrivals"]
     n = len(trace["trace"]["arrivals"])
     for s in trace["policies"].values():
@@ -347,3 +349,12 @@ def test_a_run_slo_on_a_trace_without_low_phases_is_refused_before_any_replay(tm
     trace.write_text(json.dumps({"arrivals": [{"t": 0.5}, {"t": 1.0}]}))  # one phase: "all"
     with pytest.raises(SystemExit, match="has none"):
         main(["trace", "--url", "http://127.0.0.1:9", "--trace", str(trace), "--tpot-slo-from", "run"])
+
+
+def test_off_is_overloaded_when_its_low_phase_requests_wait_for_the_bursts_backlog():
+    def policies(ttft_ms):
+        return {"off": {"phases": {"low": {"ttft_p50_ms": ttft_ms}, "high": {"ttft_p50_ms": 9000.0}}}}
+
+    assert off_overloaded(policies(120.0)) is False  # bursts may queue; the low phases start clean
+    assert off_overloaded(policies(5187.0)) is True
+    assert off_overloaded({"spec": {}}) is None and off_overloaded({"off": {"phases": {"all": {}}}}) is None
