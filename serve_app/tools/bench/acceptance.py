@@ -41,7 +41,7 @@ from serve_app.engines.base import SamplingParams
 from .client import sampling_for
 from .engine import IGNORE_EOS, _int_list, timed_request
 from .prompts import PROMPT_SETS, chat_messages
-from .stats import emit
+from .stats import acceptance, emit
 from .steps import mixed_prompt_set
 
 HELP = "acceptance by draft position per kind of request, and the most a draft length per sequence could add"
@@ -122,7 +122,7 @@ async def measure(args: argparse.Namespace) -> dict:
                 kind, temp = name.split(" t=")
                 sampled = temp != "0"
                 prompts = [engine.apply_chat_template(chat_messages(p)) for p in PROMPT_SETS[kind]]
-                before, tokens = Counter(engine.core.verify_counts), 0
+                before, totals, tokens = Counter(engine.core.verify_counts), dict(engine.core.totals), 0
                 for i in range(args.requests):
                     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0 if sampled else 0.0,
                                             top_p=1.0, seed=i if sampled else None, ignore_eos=IGNORE_EOS)
@@ -130,10 +130,9 @@ async def measure(args: argparse.Namespace) -> dict:
                                                    params)).output_tokens
                     bar.update(1)
                 counts = engine.core.verify_counts - before
-                verifies = sum(counts.values())
-                out[name] = {"requests": args.requests, "output_tokens": tokens, "verifies": verifies,
-                             "mean_accepted": round(sum(a * n for (_, a), n in counts.items()) / verifies, 4)
-                             if verifies else None,
+                out[name] = {"requests": args.requests, "output_tokens": tokens,
+                             "verifies": engine.core.totals["verifies"] - totals["verifies"],
+                             "mean_accepted": acceptance(totals, engine.core.totals)["mean_accepted_len"],
                              "a_by_position": position_acceptance(counts, args.num_steps)}
     finally:
         await engine.shutdown()
