@@ -18,8 +18,9 @@ from serve_app.tools.bench.trace import (
     off_overloaded,
     policy_stats,
     pooled_stats,
-    rates_from_sweep,
+    rates_from_rows,
     run_slo,
+    slo_from_sweep,
     slo_source,
 )
 
@@ -122,10 +123,43 @@ def test_trace_rates_and_slo_can_come_from_a_sweep_of_the_same_machine(results):
     sweep = json.loads((results / "serve_sweep.json").read_text())
     rows = {(r["policy"], r["concurrency"]): r for r in sweep["rows"]}
 
-    low, high, slo = rates_from_sweep(sweep)
+    low, high = rates_from_rows(sweep["rows"])
+    slo = slo_from_sweep(sweep["rows"])
     assert low == pytest.approx(0.5 * rows["spec", 1]["requests_per_s"], rel=1e-3)
     assert high == pytest.approx(0.9 * rows["off", 6]["requests_per_s"], rel=1e-3)
     assert slo == pytest.approx(1.5 * rows["off", 1]["tpot_p50_ms"], abs=0.1)
+
+
+def test_trace_rates_can_come_from_a_probe_of_this_run(reset_tiny_app, tmp_path):
+    out = tmp_path / "probe.json"
+    assert main(["trace", "--url", reset_tiny_app.prefix, "--admin-token-env", "SPECSERVE_TEST_ADMIN_TOKEN",
+                 "--trace", "bursty", "--phases", "3", "--phase-s", "1.5", "--seed", "7", "--policies", "off,dynamic",
+                 "--rates-from", "probe", "--probe-concurrency", "1,4", "--probe-settle-s", "0.5",
+                 "--probe-measure-s", "1.5", "--max-tokens", "8", "--ignore-eos", "--out", str(out)]) == 0
+
+    result = json.loads(out.read_text())
+    spec, off = result["probe"]
+    assert (spec["policy"], spec["concurrency"], off["policy"], off["concurrency"]) == ("spec", 1, "off", 4)
+    assert spec["mode_share"] == {"4": 1.0} and off["mode_share"] == {"0": 1.0}  # each window ran its mode
+    tr = result["trace"]
+    assert (tr["low_rate"], tr["high_rate"]) == rates_from_rows(result["probe"]) and 0 < tr["low_rate"] < tr["high_rate"]
+    assert tr["arrivals"] == make_trace("bursty", 7, tr["low_rate"], tr["high_rate"], 1.5, 3)["arrivals"]
+    assert result["meta"]["rates_from"] == "probe" and result["meta"]["tpot_slo_from"] == "run"
+    assert all(s["num_requests"] == len(tr["arrivals"]) for s in result["policies"].values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rates-from", "probe", "--tpot-slo-from", "sweep"], "give a sweep's JSON file"),
+    (["--rates-from", "probe", "--probe-concurrency", "1,8,32"], "two positive client counts"),
+    (["--rates-from", "probe", "--probe-measure-s", "0"], "--probe-measure-s must be > 0"),
+    (["--rates-from", "probe", "--trace", "TRACE"], "a trace file has its own"),
+])
+def test_a_probe_that_cannot_give_rates_is_refused_before_any_request(tmp_path, argv, message):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"arrivals": [{"t": 0.5, "phase": "low"}]}))
+    argv = [str(trace) if a == "TRACE" else a for a in argv]
+    with pytest.raises(SystemExit, match=message):
+        main(["trace", "--url", "http://127.0.0.1:9", *argv])
 
 
 def test_bench_report_writes_markdown_with_ratios_and_both_plots(results):

@@ -12,6 +12,11 @@ Traces (seeded, so every policy sees the very same arrivals):
 ``--rates-from SWEEP.json`` sets the rates from a ``bench serve`` sweep of the same machine:
 low = half the request rate of ``spec`` at the sweep's lowest concurrency, high = 0.9 x the
 request rate of ``off`` at its highest concurrency (near what plain decoding sustains).
+``--rates-from probe`` measures those two request rates in this run, before the replays: one
+closed-loop window of ``spec`` at the lowest of ``--probe-concurrency`` and one of ``off`` at
+the highest (as ``bench serve``'s windows: ``--probe-settle-s`` unmeasured, the clients' first
+requests spread over it, then ``--probe-measure-s`` measured), on the trace's own requests, so
+the rates follow the machine's speed in this hour (a sweep's hour may have been faster).
 
 Each policy replays the trace from an idle application (``dynamic`` from its top tier),
 ``--rounds`` times, every round after the first in the reverse order of the one before (spec,
@@ -54,7 +59,8 @@ from .client import (
     run_against_target,
 )
 from .engine import _f as f
-from .serve import meta, policy_list, spec_steps_of, window_order
+from .engine import _int_list
+from .serve import measure_window, meta, point_row, policy_list, spec_steps_of, window_order
 from .stats import emit, summarize
 
 HELP = "an open-loop bursty or diurnal trace replayed against spec, off and dynamic"
@@ -70,7 +76,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phase-s", type=float, default=40.0, help="seconds per phase (default 40)")
     p.add_argument("--low-rate", type=float, default=0.3, help="requests/s in low phases (default 0.3)")
     p.add_argument("--high-rate", type=float, default=3.0, help="requests/s in high phases (default 3)")
-    p.add_argument("--rates-from", default=None, help="a `bench serve` JSON: derive both rates from it")
+    p.add_argument("--rates-from", default=None,
+                   help="a `bench serve` JSON: derive both rates from it; probe: measure them in this run first")
+    p.add_argument("--probe-concurrency", type=_int_list, default=[1, 32],
+                   help="with --rates-from probe: clients of spec's window, of off's (default 1,32)")
+    p.add_argument("--probe-settle-s", type=float, default=8.0,
+                   help="with --rates-from probe: unmeasured seconds at the start of each window (default 8)")
+    p.add_argument("--probe-measure-s", type=float, default=20.0,
+                   help="with --rates-from probe: measured seconds of each window (default 20)")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT SLO of goodput, in ms (default: --tpot-slo-from)")
     p.add_argument("--tpot-slo-from", choices=SLO_SOURCES, default=None,
                    help="run: 1.5 x off's TPOT p50 in this run's low phases; sweep: 1.5 x off's TPOT p50 at "
@@ -83,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SLO_SOURCES = ("run", "sweep")
+PROBE = "probe"  # --rates-from probe
+LOW_SHARE, HIGH_SHARE = 0.5, 0.9  # low rate: of spec's at the fewest clients; high: of off's at the most
 SLO_SCALE = 1.5  # the SLO: off's TPOT p50 at low load, plus 50 %
 GOODPUT_AT = (0.75, 1.0, 1.5, 2.0)  # goodput is also given at these multiples of the SLO
 OVERLOAD_TTFT_MS = 1000.0  # off's low-phase TTFT p50 past this: the bursts overloaded plain decoding
@@ -92,16 +107,26 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     sweep_slo = None
-    if args.rates_from:
+    probing = args.rates_from == PROBE
+    if args.rates_from and args.trace not in ("bursty", "diurnal"):
+        raise SystemExit("--rates-from sets the rates of a bursty or diurnal trace; a trace file has its own")
+    if probing:
+        if len(args.probe_concurrency) != 2 or 0 in args.probe_concurrency:
+            raise SystemExit(f"--probe-concurrency takes two positive client counts, got {args.probe_concurrency}")
+        if args.probe_measure_s <= 0 or args.probe_settle_s < 0:
+            raise SystemExit("--probe-measure-s must be > 0 and --probe-settle-s >= 0")
+    elif args.rates_from:
         with open(args.rates_from) as f:
-            args.low_rate, args.high_rate, sweep_slo = rates_from_sweep(json.load(f))
+            sweep = json.load(f)
+        args.low_rate, args.high_rate = rates_from_rows(sweep["rows"])
+        sweep_slo = slo_from_sweep(sweep["rows"])
     args.slo_source = slo_source(args.tpot_slo_ms, args.tpot_slo_from, args.policies, sweep_slo)
     if args.slo_source == "sweep":
         args.tpot_slo_ms = sweep_slo
     elif args.slo_source == "default":
         args.tpot_slo_ms = 100.0
-    trace = load_or_make_trace(args)
-    if args.slo_source == "run" and not any(a["phase"] == "low" for a in trace["arrivals"]):
+    trace = None if probing else load_or_make_trace(args)  # a probe's trace is made once its rates are known
+    if trace and args.slo_source == "run" and not any(a["phase"] == "low" for a in trace["arrivals"]):
         raise SystemExit("the SLO of this run is read off off's low phases, and this trace has none: "
                          "give --tpot-slo-ms")
     result = run_against_target(args, lambda target: replay_all(target, trace, args))
@@ -118,7 +143,7 @@ def slo_source(slo_ms: float | None, source: str | None, policies: list[str], sw
     if source == "run" and "off" not in policies:
         raise SystemExit("--tpot-slo-from run reads off's TPOT in this run: add off to --policies")
     if source == "sweep" and sweep_slo is None:
-        raise SystemExit("--tpot-slo-from sweep reads the sweep of --rates-from: give one")
+        raise SystemExit("--tpot-slo-from sweep reads the sweep of --rates-from: give a sweep's JSON file")
     return source or ("sweep" if sweep_slo is not None else "run" if "off" in policies else "default")
 
 
@@ -128,14 +153,19 @@ def run_slo(off_records: list) -> float | None:
     return round(SLO_SCALE * 1000 * float(np.median(tpots)), 1) if tpots else None
 
 
-def rates_from_sweep(sweep: dict) -> tuple[float, float, float]:
-    """(low rate, high rate, TPOT SLO ms) from a ``bench serve`` result (see the module docstring)."""
-    rows = sweep["rows"]
+def rates_from_rows(rows: list[dict]) -> tuple[float, float]:
+    """(low rate, high rate) from ``bench serve`` rows, a sweep's or a probe's (see the module
+    docstring): half of spec's request rate at the lowest concurrency, 0.9 x off's at the highest."""
     lo, hi = min(r["concurrency"] for r in rows), max(r["concurrency"] for r in rows)
     at = {(r["policy"], r["concurrency"]): r for r in rows}
-    low = 0.5 * at["spec", lo]["requests_per_s"]
-    high = 0.9 * at["off", hi]["requests_per_s"]
-    return round(low, 4), round(high, 4), round(1.5 * at["off", lo]["tpot_p50_ms"], 1)
+    return round(LOW_SHARE * at["spec", lo]["requests_per_s"], 4), round(HIGH_SHARE * at["off", hi]["requests_per_s"], 4)
+
+
+def slo_from_sweep(rows: list[dict]) -> float:
+    """The sweep's TPOT SLO: 1.5 x off's TPOT p50 at the sweep's lowest concurrency, in ms."""
+    lo = min(r["concurrency"] for r in rows)
+    off = next(r for r in rows if r["policy"] == "off" and r["concurrency"] == lo)
+    return round(SLO_SCALE * off["tpot_p50_ms"], 1)
 
 
 def make_trace(kind: str, seed: int, low_rate: float, high_rate: float, phase_s: float, phases: int) -> dict:
@@ -260,11 +290,36 @@ async def replay(target: Target, trace: dict, prompts: list[list[dict]], args: a
     return Replay(records, end - start, poller.summary(start, end + 1)["switches"], timeline)
 
 
-async def replay_all(target: Target, trace: dict, args: argparse.Namespace) -> dict:
+async def probe(target: Target, prompts: list[list[dict]], args: argparse.Namespace, spec_steps: int) -> list[dict]:
+    """``--rates-from probe``: one window of spec at the fewest clients, one of off at the most."""
+    lo, hi = args.probe_concurrency
+    rows = []
+    async with Poller(target) as poller:
+        for policy, c in (("spec", lo), ("off", hi)):
+            print(f"probe: {policy} at {c} client(s), {args.probe_settle_s:g} s settle + {args.probe_measure_s:g} s",
+                  file=sys.stderr)
+            await target.apply_policy(policy, spec_steps)
+            window = await measure_window(target, poller, prompts, c, args.probe_settle_s, args.probe_measure_s,
+                                          args.max_tokens, args.ignore_eos, stagger_s=args.probe_settle_s)
+            rows.append({"policy": policy, "concurrency": c} | point_row([window]))
+            print(f"probe: {policy} at {c}: {rows[-1]['requests_per_s']} req/s", file=sys.stderr)
+    return rows
+
+
+async def replay_all(target: Target, trace: dict | None, args: argparse.Namespace) -> dict:
     spec_steps, status = await spec_steps_of(target, args.spec_steps)
     top = status["policy"]["tiers"][0]["num_steps"]
     prompts = prompt_messages(args.prompt_set.split(","))
     await asyncio.gather(*(target.chat(i, prompts[i], 8, True) for i in range(2)))  # one-off costs
+    probe_rows = None
+    if trace is None:
+        probe_rows = await probe(target, prompts, args, spec_steps)
+        args.low_rate, args.high_rate = rates_from_rows(probe_rows)
+        if min(args.low_rate, args.high_rate) <= 0:
+            await target.restore(status)
+            raise SystemExit(f"the probe completed no request in a window ({probe_rows}): no rates to replay at")
+        print(f"probe: rates low {args.low_rate}, high {args.high_rate} req/s", file=sys.stderr)
+        trace = load_or_make_trace(args)
     replays: dict[str, list[Replay]] = {p: [] for p in args.policies}
     order = window_order(args.policies, args.rounds)
     n = len(trace["arrivals"])
@@ -289,8 +344,9 @@ async def replay_all(target: Target, trace: dict, args: argparse.Namespace) -> d
     return {"meta": meta(args, target, status, spec_steps) | {"tpot_slo_ms": args.tpot_slo_ms,
                                                                 "tpot_slo_from": args.slo_source,
                                                                 "rounds": args.rounds,
+                                                                "rates_from": args.rates_from,
                                                                 "off_overloaded": off_overloaded(policies)},
-            "trace": trace, "policies": policies}
+            "trace": trace, "policies": policies} | ({"probe": probe_rows} if probe_rows else {})
 
 
 def off_overloaded(policies: dict) -> bool | None:
@@ -309,6 +365,9 @@ def format_table(result: dict) -> str:
     lines = [f"trace {tr['kind']} (seed {tr.get('seed')}), {len(tr['arrivals'])} requests over {tr['duration_s']:.0f}s, "
              f"{rounds} round(s) a policy, TPOT SLO {m['tpot_slo_ms']} ms ({m.get('tpot_slo_from', 'given')}); "
              "latencies in ms",
+             *([f"rates low {tr['low_rate']}, high {tr['high_rate']} req/s from this run's probe: "
+                + ", ".join(f"{r['policy']} at {r['concurrency']} client(s) {r['requests_per_s']} req/s"
+                            for r in result["probe"])] if result.get("probe") else []),
              f"{'policy':>8} {'tok/s':>7} {'goodput':>7} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>8} "
              f"{'tpot p99':>8} {'low tpot50':>10} {'switch':>6} {'err':>4}"]
     for name, s in result["policies"].items():
@@ -328,7 +387,7 @@ def format_table(result: dict) -> str:
     if m.get("off_overloaded"):
         low = result["policies"]["off"]["phases"]["low"]
         lines.append(f"off's low-phase requests waited {low['ttft_p50_ms']:.0f} ms (p50) for their first token: the "
-                     "high phases overloaded plain decoding here; rates from a sweep of this hour keep the trace "
-                     "near capacity")
+                     "high phases overloaded plain decoding here; rates measured in this hour (--rates-from probe) "
+                     "keep the trace near capacity")
     return "\n".join(lines)
 
