@@ -292,7 +292,7 @@ async def replay(target: Target, trace: dict, prompts: list[list[dict]], args: a
 
 async def probe(target: Target, prompts: list[list[dict]], args: argparse.Namespace, spec_steps: int) -> list[dict]:
     """``--rates-from probe``: one window of spec at the fewest clients, one of off at the most."""
-    lo, hi = args.probe_concurrency
+    lo, hi = sorted(args.probe_concurrency)
     rows = []
     async with Poller(target) as poller:
         for policy, c in (("spec", lo), ("off", hi)):
