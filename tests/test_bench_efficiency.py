@@ -39,6 +39,7 @@ def test_bench_efficiency_measures_the_stack_and_as_many_engines_as_replicas_sid
         assert len(r["engines"]["per_engine_tokens_per_s"]) == 2 and all(t > 0 for t in r["engines"]["per_engine_tokens_per_s"])
         assert r["stack_tokens_per_s"] > 0 and r["engines"]["errors"] == 0 and r["stack"]["errors"] == 0
         assert r["efficiency"] == round(r["stack_tokens_per_s"] / r["engines_tokens_per_s"], 4)
+        assert r["efficiency_ci95"] is None  # one window a side: no interval
     assert {r["policy"]: r["stack"]["mode_share"] for r in rows if r["concurrency"] == 2} == {
         "spec": {"3": 1.0}, "off": {"0": 1.0}}
     assert result["meta"]["replicas"] == 2 and "efficiency" in proc.stdout
@@ -79,3 +80,4 @@ def test_the_engines_side_sums_each_engine_s_pooled_windows():
 
     row = engine_row([[window(100), window(60)], [window(50), window(50)]])
     assert row["per_engine_tokens_per_s"] == [40.0, 25.0] and row["output_tokens_per_s"] == 65.0
+    assert row["window_tokens_per_s"] == [75.0, 55.0]  # window by window, the engines together

@@ -12,6 +12,7 @@ import pytest
 from serve_app.tools.bench.__main__ import main
 from serve_app.tools.bench.client import Record, with_overrides
 from serve_app.tools.bench.serve import window_order
+from serve_app.tools.bench.stats import paired_ratio_ci
 from serve_app.tools.bench.trace import (
     Replay,
     make_trace,
@@ -72,6 +73,9 @@ def test_bench_serve_writes_one_row_per_concurrency_and_policy_in_sweep_order(re
         assert row["output_tokens_per_s"] > 0 and row["num_requests"] > 0 and row["errors"] == 0
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
     assert [x["concurrency"] for x in sweep["ratios"]] == [1, 6]
+    for x in sweep["ratios"]:  # 2 windows a policy: an interval from the two pairs
+        lo, hi = x["dynamic_over_best_static_ci95"]
+        assert 0 < lo <= hi
     assert sweep["meta"]["spec_steps"] == 4 and sweep["meta"]["replicas"] == 2
 
 
@@ -83,6 +87,17 @@ def test_bench_serve_pools_a_rows_repeated_windows(results):
         assert row["windows"] == 2 and len(row["window_tokens_per_s"]) == 2
         # equal windows: the row's tokens/s is their mean
         assert row["output_tokens_per_s"] == pytest.approx(sum(row["window_tokens_per_s"]) / 2, abs=0.01)
+
+
+def test_a_ratio_s_interval_comes_from_windows_paired_by_repeat():
+    assert paired_ratio_ci([110, 220, 330], [100, 200, 300]) == [1.1, 1.1]  # every pair 1.1: no spread
+    lo, hi = paired_ratio_ci([105, 95, 100, 102], [100, 100, 100, 100])
+    assert lo < 1.0 < hi and hi - lo < 0.15  # sd 0.042, t(3) 3.18: half-width 0.067
+    wide = paired_ratio_ci([105, 95], [100, 100])  # two pairs: t with 1 degree of freedom
+    assert wide[0] < lo and wide[1] > hi
+    assert paired_ratio_ci([105], [100]) is None and paired_ratio_ci([0, 90], [100, 100]) is None
+    with pytest.raises(ValueError, match="as many on each side"):
+        paired_ratio_ci([1, 2], [1])
 
 
 def test_repeated_windows_run_in_mirrored_order():
@@ -168,6 +183,7 @@ def test_bench_report_writes_markdown_with_ratios_and_both_plots(results):
 
     md = (results / "report.md").read_text()
     assert "dynamic / best static" in md and "goodput" in md and "low-load TPOT p50 within 10% of spec" in md
+    assert "95 % interval (paired windows)" in md
     for png in ("serve_sweep.png", "serve_trace.png"):
         assert (results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

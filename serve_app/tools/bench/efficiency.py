@@ -17,7 +17,8 @@ same thing: output tokens delivered in the window. The engine processes stay up,
 the stack runs, and the stack idles while they run, so each side has the machine to itself.
 ``--repeats N`` alternates N windows a side per point (engines, stack, stack, engines, ...).
 The stack's side reads ``GET /v1/speculation`` once a second, to report the mode it ran.
-Efficiency is the stack's tokens/s over the engines'; a row per (concurrency, policy).
+Efficiency is the stack's tokens/s over the engines'; a row per (concurrency, policy), with
+``efficiency_ci95``, its 95 % interval from the windows paired by repeat (``--repeats`` >= 2).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .client import (
 )
 from .engine import _int_list
 from .serve import measure_window, meta, point_row, policy_list, spec_steps_of
-from .stats import emit
+from .stats import emit, paired_ratio_ci
 
 HELP = "tokens/s through the serving stack over its engines' own, side by side"
 POLICIES = ("spec", "off")
@@ -155,9 +156,12 @@ class Engines:
 
 
 def engine_row(windows_per_engine: list[list]) -> dict:
-    """The engines' side of a point: each engine's windows pooled, their tokens/s summed."""
+    """The engines' side of a point: each engine's windows pooled, their tokens/s summed (and
+    summed window by window: the engines ran each window together)."""
     rows = [point_row(ws) for ws in windows_per_engine]
     return {"output_tokens_per_s": round(sum(r["output_tokens_per_s"] for r in rows), 3),
+            "window_tokens_per_s": [round(sum(w), 3) for w in zip(*(r["window_tokens_per_s"] for r in rows),
+                                                                   strict=True)],
             "per_engine_tokens_per_s": [r["output_tokens_per_s"] for r in rows],
             "tpot_p50_ms": [r["tpot_p50_ms"] for r in rows], "errors": sum(r["errors"] for r in rows)}
 
@@ -196,6 +200,8 @@ async def measure(target: Target, engines: Engines, args: argparse.Namespace, re
                                  "engines_tokens_per_s": eng["output_tokens_per_s"],
                                  "efficiency": round(stack["output_tokens_per_s"] / eng["output_tokens_per_s"], 4)
                                  if eng["output_tokens_per_s"] else None,
+                                 "efficiency_ci95": paired_ratio_ci(stack["window_tokens_per_s"],
+                                                                    eng["window_tokens_per_s"]),
                                  "stack": stack, "engines": eng})
         await target.restore(status)
     return {"meta": meta(args, target, status, spec_steps) | {
@@ -207,11 +213,13 @@ def format_table(result: dict) -> str:
     m = result["meta"]
     lines = [f"bench efficiency: {m['config']}, {m['replicas']} replicas, {m['prompt_set']} prompts, "
              f"max_tokens {m['max_tokens']}, spec = {m['spec_steps']} steps",
-             f"{'clients':>7} {'policy':>6} {'stack tok/s':>11} {'engines tok/s':>13} {'efficiency':>10}"]
+             f"{'clients':>7} {'policy':>6} {'stack tok/s':>11} {'engines tok/s':>13} {'efficiency':>10}  "
+             "95 % interval (windows paired by repeat)"]
     for r in result["rows"]:
         eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+        ci = r.get("efficiency_ci95")
         lines.append(f"{r['concurrency']:>7} {r['policy']:>6} {r['stack_tokens_per_s']:>11.1f} "
-                     f"{r['engines_tokens_per_s']:>13.1f} {eff:>10}")
+                     f"{r['engines_tokens_per_s']:>13.1f} {eff:>10}  " + (f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"))
     return "\n".join(lines)
 
 

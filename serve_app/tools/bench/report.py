@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .serve import ratios as sweep_ratios
+
 HELP = "markdown and PNG plots from bench serve / bench trace results"
 COLORS = {"spec": "tab:orange", "off": "tab:blue", "dynamic": "tab:green"}
 SWEEP_RATIO_TARGET = 0.95  # dynamic / max(spec, off) at every concurrency
@@ -91,14 +93,15 @@ def sweep_section(result: dict, out: Path, calibration: dict | None = None) -> l
     rows, m = result["rows"], result["meta"]
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     at = {(r["policy"], r["concurrency"]): r for r in rows}
-    ratios = {x["concurrency"]: x for x in result["ratios"]}
+    ratios = {x["concurrency"]: x for x in sweep_ratios(rows)}  # recomputed: older results gain the interval
     lines = ["## Concurrency sweep (`bench serve`)", "",
              f"{m['model']}, {m['replicas']} replicas, spec = {m['spec_steps']} steps, prompts `{m['prompt_set']}`, "
              f"max_tokens {m['max_tokens']}, {rows[0]['settle_s']:g} s settle + {rows[0]['measure_s']:g} s measured "
              f"per window, {rows[0].get('windows', 1)} window(s) per policy and concurrency; policies run back to back "
              f"at each concurrency (repeats in mirrored order). Command: `{m['command']}` ({m['date']}).", "",
-             "| concurrency | " + " | ".join(f"{p} tok/s" for p in policies) + " | dynamic / best static | ≥ 0.95 |",
-             "|---:|" + "---:|" * len(policies) + "---:|:---:|"]
+             "| concurrency | " + " | ".join(f"{p} tok/s" for p in policies)
+             + " | dynamic / best static | 95 % interval (paired windows) | ≥ 0.95 |",
+             "|---:|" + "---:|" * len(policies) + "---:|---:|:---:|"]
     short = []
     for c in dict.fromkeys(r["concurrency"] for r in rows):
         x = ratios.get(c)
@@ -108,7 +111,9 @@ def sweep_section(result: dict, out: Path, calibration: dict | None = None) -> l
                          f"{why_short(rows, c, x['best_static'], calibration)}")
         cells = " | ".join(_f(at[p, c]["output_tokens_per_s"]) if (p, c) in at else "–" for p in policies)
         ratio = f"{x['dynamic_over_best_static']:.2f} ({x['best_static']})" if x else "–"
-        lines.append(f"| {c} | {cells} | {ratio} | {'yes' if ok else 'no' if x else '–'} |")
+        ci = x and x["dynamic_over_best_static_ci95"]
+        interval = f"{ci[0]:.3f}–{ci[1]:.3f}" if ci else "–"
+        lines.append(f"| {c} | {cells} | {ratio} | {interval} | {'yes' if ok else 'no' if x else '–'} |")
     lines += ["", "Latency (ms), p50 / p99:", "",
               "| concurrency | policy | TTFT | TPOT | switches | modes (share of window) | tok/s per window |",
               "|---:|---|---:|---:|---:|---|---|"]
@@ -158,7 +163,8 @@ def trace_section(result: dict, out: Path) -> list[str]:
     m, tr, pol = result["meta"], result["trace"], result["policies"]
     lines = ["## Load trace (`bench trace`)", "",
              f"{tr['kind']} trace, seed {tr.get('seed')}, {len(tr['arrivals'])} requests over {tr['duration_s']:g} s "
-             f"(low {tr.get('low_rate')} req/s, high {tr.get('high_rate')} req/s), open loop; goodput = tokens/s of "
+             f"(low {tr.get('low_rate')} req/s, high {tr.get('high_rate')} req/s{_rates_from(m)}), "
+             f"{m.get('rounds', 1)} replay(s) a policy, open loop; goodput = tokens/s of "
              f"requests with TPOT ≤ {m['tpot_slo_ms']} ms. Command: `{m['command']}` ({m['date']}).", "",
              "| policy | tok/s | goodput tok/s | TTFT p50 / p99 | TPOT p50 / p99 | low-load TPOT p50 | "
              "high-load TPOT p50 | switches |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -170,6 +176,11 @@ def trace_section(result: dict, out: Path) -> list[str]:
     lines += ["", *trace_checks(pol), "", "![load, mode and TPOT over the trace](serve_trace.png)", ""]
     plot_trace(result, out / "serve_trace.png")
     return lines
+
+
+def _rates_from(m: dict) -> str:
+    src = m.get("rates_from")
+    return "" if not src else " from this run's probe" if src == "probe" else f" from `{src}`"
 
 
 def trace_checks(pol: dict) -> list[str]:

@@ -63,7 +63,7 @@ from .client import (
 from .engine import _f as f
 from .engine import _int_list
 from .prompts import PROMPT_SETS
-from .stats import RequestTiming, emit, mean, summarize
+from .stats import RequestTiming, emit, mean, paired_ratio_ci, summarize
 
 HELP = "spec vs off vs dynamic over a concurrency sweep, through the HTTP serving stack"
 
@@ -304,17 +304,23 @@ def meta(args: argparse.Namespace, target: Target, status: dict | None, spec_ste
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Per concurrency where dynamic ran: its tokens/s over the better static policy's; where
-    two-level ran too, its tokens/s over the better static policy's and over dynamic's."""
+    two-level ran too, its tokens/s over the better static policy's and over dynamic's. With
+    repeated windows, ``*_ci95``: the 95 % interval of that ratio from the windows paired by
+    repeat (``stats.paired_ratio_ci``; None with one window)."""
     out = []
     for c in dict.fromkeys(r["concurrency"] for r in rows):
         tps = {r["policy"]: r["output_tokens_per_s"] for r in rows if r["concurrency"] == c}
+        windows = {r["policy"]: r.get("window_tokens_per_s", [r["output_tokens_per_s"]])
+                   for r in rows if r["concurrency"] == c}
         static = {p: tps[p] for p in ("spec", "off") if tps.get(p)}
         if "dynamic" not in tps or not static:
             continue
         best = max(static, key=static.get)
-        x = {"concurrency": c, "best_static": best, "dynamic_over_best_static": round(tps["dynamic"] / static[best], 4)}
+        x = {"concurrency": c, "best_static": best, "dynamic_over_best_static": round(tps["dynamic"] / static[best], 4),
+             "dynamic_over_best_static_ci95": paired_ratio_ci(windows["dynamic"], windows[best])}
         if tps.get("two-level"):
             x |= {"two_level_over_best_static": round(tps["two-level"] / static[best], 4),
+                  "two_level_over_best_static_ci95": paired_ratio_ci(windows["two-level"], windows[best]),
                   "two_level_over_dynamic": round(tps["two-level"] / tps["dynamic"], 4) if tps["dynamic"] else None}
         out.append(x)
     return out
@@ -334,10 +340,16 @@ def format_table(result: dict) -> str:
                      f"{f(r['tpot_p99_ms'], '9.1f')} {f(r['mean_load_per_replica'], '5.1f')} "
                      f"{f(r['switches'], '6d')}  {r['mode_share']}")
     if result["ratios"]:
-        lines.append("dynamic / best static: " + ", ".join(
-            f"c={x['concurrency']}: {x['dynamic_over_best_static']:.2f} ({x['best_static']})" for x in result["ratios"]))
+        lines.append("dynamic / best static (95 % interval of paired windows): " + ", ".join(
+            f"c={x['concurrency']}: {x['dynamic_over_best_static']:.2f} ({x['best_static']}{_ci(x.get('dynamic_over_best_static_ci95'))})"
+            for x in result["ratios"]))
     if any("two_level_over_best_static" in x for x in result["ratios"]):
         lines.append("two-level / best static, / dynamic: " + ", ".join(
-            f"c={x['concurrency']}: {x['two_level_over_best_static']:.2f}, {f(x['two_level_over_dynamic'], '.2f')}"
+            f"c={x['concurrency']}: {x['two_level_over_best_static']:.2f}{_ci(x.get('two_level_over_best_static_ci95'))}, "
+            f"{f(x['two_level_over_dynamic'], '.2f')}"
             for x in result["ratios"] if "two_level_over_best_static" in x))
     return "\n".join(lines)
+
+
+def _ci(interval: list[float] | None) -> str:
+    return f" {interval[0]:.2f}-{interval[1]:.2f}" if interval else ""

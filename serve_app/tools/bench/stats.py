@@ -36,6 +36,22 @@ def mean(values) -> float | None:
     return round(sum(values) / len(values), 3) if values else None
 
 
+def paired_ratio_ci(num: list[float], den: list[float], level: float = 0.95) -> list[float] | None:
+    """A ``level`` confidence interval of the ratio num / den from paired windows (window i of
+    each side ran next to the other's, so a drift of the machine weighs on both): Student's t
+    on the logs of the per-pair ratios, given back as ratios. None with fewer than two pairs or
+    a window without tokens."""
+    from scipy.stats import t
+
+    if len(num) != len(den):
+        raise ValueError(f"paired windows need as many on each side, got {len(num)} and {len(den)}")
+    if len(num) < 2 or min(*num, *den) <= 0:
+        return None
+    logs = np.log(np.asarray(num, dtype=float) / np.asarray(den, dtype=float))
+    half = t.ppf(0.5 + level / 2, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs))
+    return [round(float(np.exp(logs.mean() - half)), 4), round(float(np.exp(logs.mean() + half)), 4)]
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
