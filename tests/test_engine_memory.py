@@ -6,6 +6,8 @@ import torch
 
 from serve_app.engines.base import GenerateRequest, SamplingParams
 from serve_app.engines.embedded.kv_cache import POS_CHUNK, ROW_CHUNK, KVCache
+from serve_app.engines.embedded.scheduler import Scheduler
+from serve_app.engines.embedded.sequence import Sequence, Status
 
 from .engine_helpers import sync_engine
 
@@ -21,6 +23,32 @@ def filled_cache(rows: int, length: int) -> KVCache:
 
 def held(cache: KVCache, rows: int, length: int) -> list[torch.Tensor]:
     return [t[:rows, :, :length].clone() for t in cache.k + cache.v]
+
+
+def test_finished_requests_move_one_decoding_sequence_each_at_most_and_every_sequence_keeps_its_own():
+    cache = filled_cache(8, 50)
+    statuses = [Status.DECODING] * 7 + [Status.PREFILLING]
+    seqs = [Sequence(f"r{i}", [0] * 10, 10, SamplingParams(), None, print, status=st, slot=i, num_cached=50)
+            for i, st in enumerate(statuses)]
+    contents = {s.request_id: [t[s.slot, :, :50].clone() for t in cache.k + cache.v] for s in seqs}
+    scheduler = Scheduler(cache, 8, 64)
+    scheduler.running = list(seqs)
+    moves = []
+    move = cache.move
+    cache.move = lambda src, dst, n: (moves.append((src, dst)), move(src, dst, n))  # counts, then copies
+    for i in (1, 4):
+        seqs[i].status = Status.FINISHED
+
+    scheduler.remove_finished()
+
+    # 5 decoding ones stay: those at 5 and 6 fill the holes at 1 and 4, the prefilling one
+    # moves from 7 to 5, after them; 2, 3 and 0 stay put (compacting in order moved 5).
+    assert moves == [(5, 1), (6, 4), (7, 5)]
+    assert [(s.request_id, s.slot) for s in scheduler.running] == [
+        ("r0", 0), ("r5", 1), ("r2", 2), ("r3", 3), ("r6", 4), ("r7", 5)]
+    for s in scheduler.running:
+        assert all(torch.equal(a, t[s.slot, :, :50]) for a, t in zip(contents[s.request_id], cache.k + cache.v,
+                                                                      strict=True))
 
 
 def test_a_new_cache_holds_nothing_and_grows_in_chunks_up_to_its_limits():

@@ -57,17 +57,31 @@ class Scheduler:
 
     def remove_finished(self) -> None:
         """Drop finished sequences, compact the rest into slots 0..N-1 (decoding first) and
-        let the cache shrink to them."""
+        let the cache shrink to them.
+
+        Only the sequences past the kept count move: each decoding one from a slot >= D (D
+        decoding sequences kept) into a slot below D that a finished one left, then the
+        prefilling ones (the last slots) to D, D+1, ... So each request that ends moves at
+        most one decoding sequence's cache, not every one above it."""
         if not any(s.status is Status.FINISHED for s in self.running):
             return
-        keep = [s for s in self.running if s.status is Status.DECODING]
-        keep += [s for s in self.running if s.status is Status.PREFILLING]
-        # Every kept sequence moves to a slot <= its own, in increasing order: no overwrites.
-        for new_slot, seq in enumerate(keep):
-            self.cache.move(seq.slot, new_slot, seq.num_cached)
-            seq.slot = new_slot
-        self.running = keep
-        self.cache.fit(len(keep), max((s.num_cached for s in keep), default=0))
+        decoding = [s for s in self.running if s.status is Status.DECODING]
+        prefilling = [s for s in self.running if s.status is Status.PREFILLING]
+        d = len(decoding)
+        holes = sorted(set(range(d)) - {s.slot for s in decoding})  # below D: finished ones' slots
+        movers = [s for s in decoding if s.slot >= d]
+        # Every destination is free when written: a hole below D, or (prefilling, at the end of
+        # running, so at a slot >= D + its index) a slot >= D that a mover or a finished one left.
+        for hole, seq in zip(holes, movers, strict=True):
+            self._move(seq, hole)
+        for i, seq in enumerate(prefilling):
+            self._move(seq, d + i)
+        self.running = sorted(decoding, key=lambda s: s.slot) + prefilling
+        self.cache.fit(len(self.running), max((s.num_cached for s in self.running), default=0))
+
+    def _move(self, seq: Sequence, slot: int) -> None:
+        self.cache.move(seq.slot, slot, seq.num_cached)
+        seq.slot = slot
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.waiting):
