@@ -203,7 +203,7 @@ def test_bench_serve_brings_up_the_app_of_a_config_itself(tmp_path):
     assert result["meta"]["overrides"] == ["streaming.chunks_per_s=0"]
     rows = result["rows"]
     assert [(r["policy"], r["mode_share"].get("0")) for r in rows][0] == ("off", 1.0)
-    assert "dynamic / best static: c=2" in proc.stdout
+    assert "dynamic / best static (95 % interval of paired windows): c=2: " in proc.stdout
 
 
 # -- pure parts --------------------------------------------------------------------------
