@@ -103,7 +103,7 @@ def test_calibrate_refuses_a_negative_stagger(capsys):
 def test_local_config_takes_its_ladder_from_the_calibrated_policy_file():
     raw = yaml.safe_load((CONFIGS / "local.yaml").read_text())["applications"][0]["args"]
     assert raw["policy_file"] == "configs/policies/local.yaml"
-    assert set(raw.get("policy", {})) <= {"fall_dwell_s"}  # the ladder and its margin come from the file
+    assert set(raw.get("policy", {})) <= {"fall_dwell_s", "rise_min_interval_s"}  # the ladder and its margin come from the file
     from_file = yaml.safe_load((CONFIGS / "policies" / "local.yaml").read_text())
     expected = PolicyConfig.model_validate(from_file | raw.get("policy", {}))
     assert AppArgs.model_validate(raw).policy == expected and expected.tiers == PolicyConfig.model_validate(from_file).tiers

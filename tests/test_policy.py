@@ -157,6 +157,35 @@ def test_fall_dwell_unset_is_dwell_s_both_ways():
         PolicyConfig(fall_dwell_s=-1)
 
 
+def test_rise_min_interval_lets_a_burst_take_the_next_tier_within_dwell():
+    quick_rise = LADDER.model_copy(update={"rise_min_interval_s": 0.0})
+
+    def burst(t):  # up past 4 + 1 at 10 s (→ 3 steps), past 12 + 1 at 14 s (→ 0), down at 40 s
+        return 1.0 if t < 10 else 8.0 if t < 14 else 30.0 if t < 40 else 1.0
+
+    held = run(LADDER, burst, 70.0)
+    switches = run(quick_rise, burst, 70.0)
+    assert [(a, b) for _, a, b in held] == [(5, 3), (3, 0), (0, 5)]
+    assert [(a, b) for _, a, b in switches] == [(5, 3), (3, 0), (0, 5)]
+    first = switches[0][0]
+    assert held[0][0] == first and held[1][0] >= first + LADDER.min_switch_interval_s  # waited out the interval
+    assert 14 + LADDER.dwell_s <= switches[1][0] <= 14 + LADDER.dwell_s + LADDER.smoothing_s + 0.5
+    assert switches[1][0] < first + LADDER.min_switch_interval_s
+    assert switches[2][0] == held[2][0]  # the return to more steps is as without it
+
+
+def test_rise_min_interval_does_not_shorten_a_return_to_more_steps():
+    quick_rise = LADDER.model_copy(update={"rise_min_interval_s": 0.0})
+    low = history([1.0] * 20)
+    d = decide(ModeState(0, last_switch_time=3.0), low, 19 * TICK, quick_rise)
+    assert (d.switch, d.reason) == (False, "min_interval")
+    high = history([20.0] * 20)
+    d = decide(ModeState(5, last_switch_time=4.0), high, 19 * TICK, quick_rise)
+    assert (d.num_steps, d.switch, d.reason) == (0, True, "load_rise")
+    with pytest.raises(ValidationError, match="rise_min_interval_s"):
+        PolicyConfig(rise_min_interval_s=-1)
+
+
 def test_two_tier_on_off_is_the_special_case():
     on_off = PolicyConfig(tiers=[Tier(below=8, num_steps=4), Tier(num_steps=0)], dwell_s=0, min_switch_interval_s=0)
     assert decide(ModeState(4), history([10.0]), 0.0, on_off).num_steps == 0

@@ -33,7 +33,8 @@ class PolicyConfig(Strict):
     live replicas. The load is averaged over ``smoothing_s``; a tier is left only when the
     averaged load is past the tier's boundary by ``margin`` for ``dwell_s`` without a break
     (``fall_dwell_s``, where set, for a switch to more draft steps after the load fell), and
-    never sooner than ``min_switch_interval_s`` after the previous switch.
+    never sooner than ``min_switch_interval_s`` after the previous switch
+    (``rise_min_interval_s``, where set, for a switch to fewer draft steps after the load rose).
     """
 
     tiers: list[Tier] = Field(default_factory=_default_tiers, min_length=1)
@@ -47,6 +48,13 @@ class PolicyConfig(Strict):
         "burst, while a rise still takes speculation away within dwell_s.",
     )
     min_switch_interval_s: float = Field(default=5.0, ge=0)
+    rise_min_interval_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="The least time after the last switch before a switch to fewer draft steps (the load rose); "
+        "null: min_switch_interval_s. Shorter, it lets a burst that first crossed one boundary take the next "
+        "one within dwell_s, while a return to more draft steps still waits min_switch_interval_s.",
+    )
     smoothing_s: float = Field(default=1.0, ge=0)
     engine_step_policy: Literal["fixed", "adaptive"] | None = Field(
         default=None,

@@ -11,7 +11,9 @@ things keep it from flapping:
   (``fall_dwell_s``, where set, before a switch to more draft steps: a load that falls for a
   moment near capacity costs little at fewer steps, a switch back to more steps while the
   queue is still long costs the whole burst);
-- a minimum time between two switches.
+- a minimum time between two switches (``rise_min_interval_s``, where set, before a switch to
+  fewer draft steps: a burst that crossed one boundary reaches the next tier without waiting
+  out the interval a return to more steps keeps).
 
 An operator override pins ``num_steps`` until it is released. After a release (or a policy
 change) the current ``num_steps`` may not be on the ladder; the policy then moves straight
@@ -112,12 +114,15 @@ def decide(state: ModeState, samples: Sequence[LoadSample], now: float, config: 
     if target == current:
         return Decision(state.num_steps, False, "steady", load)
 
-    if state.last_switch_time is not None and now - state.last_switch_time < config.min_switch_interval_s:
+    rising = target > current
+    interval = config.min_switch_interval_s
+    if rising and config.rise_min_interval_s is not None:
+        interval = config.rise_min_interval_s
+    if state.last_switch_time is not None and now - state.last_switch_time < interval:
         return Decision(state.num_steps, False, "min_interval", load, "too soon after the last switch")
 
     # Dwell: the smoothed load at every sample in the last dwell has been past the current
     # tier's boundary on the same side, and the history reaches back that far.
-    rising = target > current
     dwell = config.dwell_s if rising or config.fall_dwell_s is None else config.fall_dwell_s
     if dwell > 0:
         if samples[0].time > now - dwell:
