@@ -421,3 +421,21 @@ def test_a_failed_compile_raises_and_leaves_no_file_behind(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="compiling qmm.c failed"):
         qmm.compile_library(out)
     assert list(out.parent.iterdir()) == []
+
+
+def test_the_prefetch_benchmark_compares_the_two_builds_and_writes_its_figures(tmp_path):
+    """scripts/qmm_prefetch.py on one layer: both builds' outputs checked equal, a row per row count."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("qmm_prefetch", Path(__file__).parents[1] / "scripts/qmm_prefetch.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "pf.json"
+    assert bench.main(["--layers", "1", "--rows", "1,4", "--repeats", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["rows"] for r in result["rows"]] == [1, 4]
+    assert all(r["prefetch_ms"] > 0 and r["no_prefetch_ms"] > 0 for r in result["rows"])
+    assert result["meta"]["layers"] == 1 and result["meta"]["path"] == qmm.kernel_path()
+    with pytest.raises(SystemExit, match="--repeats"):
+        bench.main(["--repeats", "1"])

@@ -166,6 +166,20 @@ void qmm_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K, ui
 
 static inline __m512i bcast4(const void *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
+/* Each tile asks for the weight block QMM_PF_BLOCKS ahead of the one it multiplies (2.5 KB of
+   Q4_1, 4.8 KB of Q8_0 at 8; past a tile's last block, the next tile's first ones). The packed
+   weights are read in order, yet a product of a few rows waits on memory block after block
+   without it (scripts/qmm_prefetch.py measures the difference; docs/engine.md). A prefetch
+   never faults, so the last tile's may point past the end. -DQMM_PF_BLOCKS=0 builds without.
+   always_inline: GCC 12 dropped the prefetches of a plain static inline here. */
+#ifndef QMM_PF_BLOCKS
+#define QMM_PF_BLOCKS 8
+#endif
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int bytes) {
+    if (QMM_PF_BLOCKS > 0)
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
+}
+
 static inline __attribute__((always_inline)) void q4_1_tile(
         int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, __mmask16 store) {
     __m512 acc[MT];
@@ -173,6 +187,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++, w += Q4_STRIDE) {
+        prefetch_block(w + QMM_PF_BLOCKS * Q4_STRIDE, Q4_STRIDE);
         __m512i dot[MT], dot2[MT]; /* two chains of integer sums a row, added after (exact) */
         _Pragma("GCC unroll 8")
         for (int i = 0; i < mt; i++) dot[i] = dot2[i] = _mm512_setzero_si512();
@@ -207,6 +222,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(
     _Pragma("GCC unroll 8")
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += Q8_STRIDE) {
+        prefetch_block(w + QMM_PF_BLOCKS * Q8_STRIDE, Q8_STRIDE);
         const __m512i corr = _mm512_loadu_si512(w + 544);
         __m512i dot[MT], dot2[MT]; /* two chains of integer sums a row, added after (exact) */
         _Pragma("GCC unroll 8")
