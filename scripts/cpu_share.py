@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 import psutil
 
 from serve_app.tools.bench.client import Poller, add_target_arguments, prompt_messages, run_against_target
+from serve_app.tools.bench.engine import cpu_model
 from serve_app.tools.bench.serve import run_point
 
 
@@ -118,7 +119,7 @@ def main() -> None:
         return {"row": {k: row[k] for k in ("output_tokens_per_s", "tpot_p50_ms")}, **result}
 
     out = {"command": "python scripts/cpu_share.py " + " ".join(sys.argv[1:]),
-           "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count()}
+           "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count(), "cpu_model": cpu_model()}
     out |= run_against_target(args, body)
     # after the run: starting a local app sets serve_app.serving.config.RAY_ENV where unset
     out["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")}

@@ -78,7 +78,9 @@ def test_the_build_makes_only_the_two_binaries_natively_in_release(tmp_path):
     configure, build = llamacpp.cmake_commands(tmp_path / "src", tmp_path / "build", "11434", jobs=2)
 
     for option in ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
-                   "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_NUMBER=11434"):
+                   "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_NUMBER=11434",
+                   "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                   "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"):
         assert option in configure
     assert build[-5:] == ["--target", "llama-server", "llama-bench", "-j", "2"]
 

@@ -57,6 +57,20 @@ BASELINES = ("hf", "llamacpp")
 LLAMACPP = "llamacpp"  # the llama.cpp side of a grid cell, next to the engine's num_steps
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (None elsewhere). The machine these benchmarks
+    run on has come up on different hosts (an AMD EPYC, an Intel Xeon), whose speeds differ:
+    results record which."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -460,7 +474,7 @@ def _meta(args, threads: int) -> dict:
 
     return {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
+                    "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
         "torch_version": torch.__version__,
         "threads": threads,
         "model": args.model,

@@ -81,6 +81,11 @@ def ensure_binaries(version: str = LLAMA_CPP_VERSION, log: TextIO = sys.stderr) 
 CMAKE_OPTIONS = {
     "CMAKE_BUILD_TYPE": "Release",
     "GGML_NATIVE": "ON",  # this machine's vector extensions: a baseline at its best
+    # but not AMX: on an Intel Xeon host with AMX, this build's llama-server died at its first
+    # product (SIGSEGV in ggml_backend_amx_mul_mat, SmolLM2's Q4_1 GGUF). An explicit -mno-*
+    # wins over -march=native whatever their order; a CPU without AMX builds the same code.
+    "CMAKE_C_FLAGS": "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "CMAKE_CXX_FLAGS": "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
     "BUILD_SHARED_LIBS": "OFF",  # self-contained binaries, so they can be copied to the cache
     "LLAMA_BUILD_TESTS": "OFF",
     "LLAMA_BUILD_EXAMPLES": "OFF",

@@ -61,7 +61,7 @@ from .client import (
     run_against_target,
 )
 from .engine import _f as f
-from .engine import _int_list
+from .engine import _int_list, cpu_model
 from .prompts import PROMPT_SETS
 from .stats import RequestTiming, emit, mean, paired_ratio_ci, summarize
 
@@ -299,6 +299,7 @@ def meta(args: argparse.Namespace, target: Target, status: dict | None, spec_ste
         "sampled_every": args.sampled_every,
         "host": platform.node(),
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
     }
 
 
