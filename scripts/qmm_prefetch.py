@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from serve_app.engines.embedded import qmm
+from serve_app.tools.bench.engine import cpu_model
 
 D, INTER, Q_DIM, KV_DIM, LAYERS, VOCAB = 576, 1536, 576, 192, 30, 49152
 SHAPES = [(Q_DIM + 2 * KV_DIM, D), (D, Q_DIM), (2 * INTER, D), (D, INTER)]  # (N, K) of each layer's products
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m:>5} {plain:>15.2f} {pre:>12.2f} {plain / pre:>6.2f}x")
     if args.out:
         meta = {"command": "python scripts/qmm_prefetch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "date": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
+                "date": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(), "cpu_model": cpu_model(),
                 "path": path, "repeats": args.repeats, "layers": args.layers, "weights_mb": round(
                     (sum(w.nbytes for *_, w in layers) + head[2].nbytes) / 2**20, 1)}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -436,6 +436,6 @@ def test_the_prefetch_benchmark_compares_the_two_builds_and_writes_its_figures(t
     result = json.loads(out.read_text())
     assert [r["rows"] for r in result["rows"]] == [1, 4]
     assert all(r["prefetch_ms"] > 0 and r["no_prefetch_ms"] > 0 for r in result["rows"])
-    assert result["meta"]["layers"] == 1 and result["meta"]["path"] == qmm.kernel_path()
+    assert result["meta"]["layers"] == 1 and result["meta"]["path"] == qmm.kernel_path() and "cpu_model" in result["meta"]
     with pytest.raises(SystemExit, match="--repeats"):
         bench.main(["--repeats", "1"])
