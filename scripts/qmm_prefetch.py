@@ -56,10 +56,10 @@ def pack(lib: ctypes.CDLL, rng: np.random.Generator, num_layers: int) -> tuple[l
 
 
 def one_pass(lib: ctypes.CDLL, layers: list, head: tuple, xs: list[np.ndarray]) -> tuple[float, list[np.ndarray]]:
-    """Seconds for every product once, and the outputs."""
+    """Seconds for every product once (``xs``: the layers' inputs, then the head's), and the outputs."""
     outs = []
     start = time.perf_counter()
-    for (n, k, w), x in zip(layers, xs, strict=False):
+    for (n, k, w), x in zip(layers, xs[:-1], strict=True):
         y = np.empty((x.shape[0], n), dtype=np.float32)
         if lib.qmm_linear_q4_1(ptr(x), None, ctypes.c_float(0), I64(x.shape[0]), I64(k), ptr(w), I64(n), ptr(y)):
             raise MemoryError("qmm_linear_q4_1")
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     print("packing weights ...", flush=True)
     layers, head = pack(builds["prefetch"], rng, args.layers)
-    xs = {m: [rng.standard_normal((m, k), dtype=np.float32) for _, k, _ in layers] for m in rows}
+    # an input for every product: each layer's, then the LM head's
+    xs = {m: [rng.standard_normal((m, k), dtype=np.float32) for _, k, _ in [*layers, head]] for m in rows}
     for m in rows:
         ref = one_pass(builds["no prefetch"], layers, head, xs[m])[1]
         got = one_pass(builds["prefetch"], layers, head, xs[m])[1]
