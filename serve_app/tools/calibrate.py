@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from serve_app.control.config import PolicyConfig
 from serve_app.tools.bench.client import Poller, Target, add_target_arguments, prompt_messages, run_against_target
+from serve_app.tools.bench.engine import cpu_model
 from serve_app.tools.bench.serve import measure_window, point_row, window_order
 
 
@@ -233,11 +234,12 @@ def main(argv: list[str] | None = None) -> int:
             parser().error(f"--from-results {args.from_results}: not a calibrate --results file ({e})")
         source = f"from the measurements of `{measured_by}` on {measured_on}\n({measured['model']}, "
     else:
-        measured = run_against_target(args, lambda target: measure(target, args))
+        measured = run_against_target(args, lambda target: measure(target, args)) | {"cpu_model": cpu_model()}
         measured_by, measured_on = command, when
         source = f"({measured['model']}, {time.monotonic() - t0:.0f} s, "
     result = calibrate(measured, args) | {"measurements": measured}
-    header = (f"Written by `{command}` on {when}\n{source}{measured['replicas']} replicas). "
+    on_cpu = f", on {measured['cpu_model']}" if measured.get("cpu_model") else ""
+    header = (f"Written by `{command}` on {when}\n{source}{measured['replicas']} replicas{on_cpu}). "
               "Load = waiting + running per replica.\n"
               f"Plain decoding overtakes num_steps k at load: {result['crossovers']}\n"
               "Re-run the command to recalibrate; edit by hand at your own risk.")
