@@ -57,19 +57,14 @@ def pack(lib: ctypes.CDLL, rng: np.random.Generator, num_layers: int) -> tuple[l
 
 def one_pass(lib: ctypes.CDLL, layers: list, head: tuple, xs: list[np.ndarray]) -> tuple[float, list[np.ndarray]]:
     """Seconds for every product once (``xs``: the layers' inputs, then the head's), and the outputs."""
+    products = [(lib.qmm_linear_q4_1, *layer) for layer in layers] + [(lib.qmm_linear_q8_0, *head)]
     outs = []
     start = time.perf_counter()
-    for (n, k, w), x in zip(layers, xs[:-1], strict=True):
+    for (kernel, n, k, w), x in zip(products, xs, strict=True):
         y = np.empty((x.shape[0], n), dtype=np.float32)
-        if lib.qmm_linear_q4_1(ptr(x), None, ctypes.c_float(0), I64(x.shape[0]), I64(k), ptr(w), I64(n), ptr(y)):
-            raise MemoryError("qmm_linear_q4_1")
+        if kernel(ptr(x), None, ctypes.c_float(0), I64(x.shape[0]), I64(k), ptr(w), I64(n), ptr(y)):
+            raise MemoryError(kernel.__name__)
         outs.append(y)
-    n, k, w = head
-    x = xs[-1]
-    y = np.empty((x.shape[0], n), dtype=np.float32)
-    if lib.qmm_linear_q8_0(ptr(x), None, ctypes.c_float(0), I64(x.shape[0]), I64(k), ptr(w), I64(n), ptr(y)):
-        raise MemoryError("qmm_linear_q8_0")
-    outs.append(y)
     return time.perf_counter() - start, outs
 
 
