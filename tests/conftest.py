@@ -41,11 +41,9 @@ def ray_session():
 
 
 def free_port() -> int:
-    import socket
+    from serve_app.tools.bench.client import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @pytest.fixture(scope="session")

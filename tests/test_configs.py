@@ -76,7 +76,13 @@ def test_ray_env_puts_haproxy_in_front_and_own_ports_frees_its_fixed_ones(monkey
     import os
     import sys
 
-    from serve_app.serving.config import DIRECT_INGRESS_PORT_WINDOWS, HAPROXY_PORTS, RAY_ENV, set_ray_env
+    from serve_app.serving.config import (
+        DIRECT_INGRESS_PORT_WINDOWS,
+        HAPROXY_PORTS,
+        RAY_ENV,
+        ephemeral_port_range,
+        set_ray_env,
+    )
 
     if sys.platform == "linux":
         assert RAY_ENV["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
@@ -93,5 +99,26 @@ def test_ray_env_puts_haproxy_in_front_and_own_ports_frees_its_fixed_ones(monkey
             set_ray_env(own_ports=True)
             ports = [int(os.environ[k]) for k in HAPROXY_PORTS]
             assert len(set(ports)) == len(ports) and not {8404, 9101, 8500, 9500} & set(ports)
+            if ephemeral_port_range()[1] < 65036:  # above the range: no outgoing connection takes one
+                assert all(ephemeral_port_range()[1] < p <= 65535 for p in ports), ports
             low, high = (int(os.environ[k]) for k in windows[:2])
             assert 20000 <= low < high == low + 99 < 25000
+
+
+def test_free_ports_outside_ephemeral_pass_over_ports_in_use(monkeypatch):
+    """Above the range, in order (shuffle off): a port something holds is passed over; with
+    fewer than 500 ports above the range, the kernel picks."""
+    import socket
+
+    from serve_app.serving import config
+
+    monkeypatch.setattr(config.random, "shuffle", lambda xs: None)
+    monkeypatch.setattr(config, "ephemeral_port_range", lambda: (32768, 65000))
+    first = config.free_ports_outside_ephemeral(1)[0]
+    assert 65000 < first <= 65535
+    with socket.socket() as held:
+        held.bind(("", first))
+        ports = config.free_ports_outside_ephemeral(3)
+    assert len(set(ports)) == 3 and first not in ports and all(first < p <= 65535 for p in ports)
+    monkeypatch.setattr(config, "ephemeral_port_range", lambda: (32768, 65529))
+    assert len(set(config.free_ports_outside_ephemeral(3))) == 3

@@ -97,6 +97,43 @@ DIRECT_INGRESS_PORT_WINDOWS = (  # (key of the lowest port, key of the highest, 
 """Below Linux's ephemeral ports and above Ray's worker ports (10002-19999): 50 windows of 100 each."""
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for ports it hands out itself (outgoing connections, bind to port 0)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports_outside_ephemeral(n: int) -> list[int]:
+    """``n`` distinct ports, free on every interface, above the kernel's ephemeral range where it
+    leaves 500 or more (Linux's default leaves 61000-65535), else any free ones.
+
+    A port the kernel picked for a bind to 0 is ephemeral: released, it can go to any outgoing
+    connection (Ray opens hundreds as it starts) in the seconds before HAProxy binds it, and
+    HAProxy then fails to start ("Address already in use"). No connection takes a port above
+    the range. All are held open until all are picked: no port twice."""
+    top = ephemeral_port_range()[1] + 1
+    candidates = list(range(top, 65536)) if 65536 - top >= 500 else []
+    random.shuffle(candidates)
+    ports: list[int] = []
+    with contextlib.ExitStack() as held:
+        for port in [*candidates, *[0] * n]:  # port 0: the kernel's pick, where the range leaves no room
+            if len(ports) == n:
+                break
+            sock = socket.socket()
+            try:
+                sock.bind(("", port))
+            except OSError:
+                sock.close()
+                continue
+            ports.append(held.enter_context(sock).getsockname()[1])
+    if len(ports) < n:
+        raise RuntimeError(f"found {len(ports)} of {n} free ports")
+    return ports
+
+
 def set_ray_env(own_ports: bool = False) -> None:
     """:data:`RAY_ENV` into this process's environment where unset, before it starts Ray.
 
@@ -105,7 +142,8 @@ def set_ray_env(own_ports: bool = False) -> None:
     inherited, for HAProxy mode:
 
     - HAProxy's stats page and Prometheus exporter and Serve's fallback proxy behind it take
-      free ports rather than Serve's fixed 8404, 9101, 8500 and 9500: a second HAProxy cannot
+      free ports above the kernel's ephemeral range (:func:`free_ports_outside_ephemeral`)
+      rather than Serve's fixed 8404, 9101, 8500 and 9500: a second HAProxy cannot
       bind the first two, and a second fallback proxy would share the others (SO_REUSEPORT),
       so that one stack's HAProxy could fall back into the other's app;
     - the ingress replicas' own ports come from a window of 100 picked at random (one in 50)
@@ -116,11 +154,8 @@ def set_ray_env(own_ports: bool = False) -> None:
         os.environ.setdefault(key, value)
     if not (own_ports and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"):
         return
-    with contextlib.ExitStack() as held:  # all held open until all are picked: no port twice
-        socks = [held.enter_context(socket.socket()) for _ in HAPROXY_PORTS]
-        for key, sock in zip(HAPROXY_PORTS, socks, strict=True):
-            sock.bind(("", 0))
-            os.environ[key] = str(sock.getsockname()[1])
+    for key, port in zip(HAPROXY_PORTS, free_ports_outside_ephemeral(len(HAPROXY_PORTS)), strict=True):
+        os.environ[key] = str(port)
     window = random.randrange(50)
     for low_key, high_key, start in DIRECT_INGRESS_PORT_WINDOWS:
         os.environ[low_key] = str(start + 100 * window)

@@ -16,7 +16,6 @@ import copy
 import json
 import os
 import secrets
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -298,10 +297,11 @@ def prompt_messages(names: list[str]) -> list[list[dict]]:
 
 # -- bringing the application up ---------------------------------------------------------
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a server this process starts, outside the kernel's ephemeral range
+    (:func:`serve_app.serving.config.free_ports_outside_ephemeral`)."""
+    from serve_app.serving.config import free_ports_outside_ephemeral
+
+    return free_ports_outside_ephemeral(1)[0]
 
 
 def with_overrides(raw: dict, overrides: list[str]) -> dict:
