@@ -186,22 +186,3 @@ def test_the_waiting_queue_is_bounded_once_requests_reach_the_scheduler():
         assert accepted <= 1 + 2 and refused >= 8 - 3
     finally:
         asyncio.run(eng.shutdown())
-
-
-
-@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
-@pytest.mark.parametrize("sched, policy", [("batch", 3), ("other", 0)])  # SCHED_BATCH, SCHED_OTHER
-def test_step_thread_runs_under_the_configured_scheduling_policy(sched, policy):
-    """Read after a request has run, so the thread has set it; field 41 of its /proc stat."""
-    import os
-    import pathlib
-
-    eng = EmbeddedEngine(model="tiny-random", max_num_seqs=2, max_model_len=64, step_thread_sched=sched)
-    eng.start_sync()
-    try:
-        assert len(asyncio.run(collect(eng, req(0, max_tokens=2)))) >= 1
-        stat = pathlib.Path(f"/proc/self/task/{eng._thread.native_id}/stat").read_text()
-        assert os.SCHED_BATCH == 3 and int(stat.rsplit(")", 1)[1].split()[38]) == policy
-        assert os.sched_getscheduler(0) == 0  # the caller's own thread keeps its policy
-    finally:
-        asyncio.run(eng.shutdown())

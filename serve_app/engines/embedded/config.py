@@ -46,10 +46,6 @@ class EmbeddedOptions(BaseModel):
         "per block of 32 (llama.cpp's arithmetic; needs a C compiler on first use); int8 has one scale per output row",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's")
-    step_thread_sched: Literal["batch", "other"] = Field(
-        "batch", description="Linux scheduling policy of the step thread: batch (SCHED_BATCH: a CPU-bound thread, "
-        "which a thread that wakes up does not preempt at once) or other (SCHED_OTHER, the default of every thread); "
-        "ignored where the OS has no SCHED_BATCH (docs/engine.md#threads)")
     seed: int = 0
     default_temperature: float | None = Field(
         None, ge=0, le=2, description="for requests that set none; default: the model's generation_config.json, else 1.0"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -87,18 +86,6 @@ def _name_os_thread(name: str) -> None:
             f.write(name[:15])
     except OSError:
         pass
-
-
-def _batch_scheduling() -> None:
-    """The calling thread under SCHED_BATCH, where the OS has it (Linux): the scheduler treats it
-    as CPU-bound, so a thread that wakes (a replica's event loop, Ray's and Serve's threads, on
-    a machine whose cores the step threads fill) waits for the next tick instead of preempting
-    it at once. Its share of the CPU stays what it was; it is switched out less often."""
-    if hasattr(os, "SCHED_BATCH"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # pid 0: this thread
-        except OSError as e:  # a sandbox that forbids it: run as before
-            log.info("step thread keeps its scheduling policy: %s", e)
 
 
 class EmbeddedEngine:
@@ -261,8 +248,6 @@ class EmbeddedEngine:
     # -- the step thread --------------------------------------------------------------
     def _loop(self) -> None:
         _name_os_thread("specserve-step")
-        if self.options.step_thread_sched == "batch":
-            _batch_scheduling()
         core = self.core
         while not self._stopping:
             try:
