@@ -186,3 +186,42 @@ def test_the_waiting_queue_is_bounded_once_requests_reach_the_scheduler():
         assert accepted <= 1 + 2 and refused >= 8 - 3
     finally:
         asyncio.run(eng.shutdown())
+
+
+def end_thread(thread, exc=SystemExit) -> None:
+    """Raise ``exc`` in ``thread`` at its next Python bytecode (CPython's async exception)."""
+    import ctypes
+
+    assert ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc)) == 1
+
+
+def test_an_ended_step_thread_fails_its_requests_and_every_new_one_and_the_health_check():
+    """No request waits forever on a step thread that is gone: those it held raise
+    EngineDeadError, and so do check_health and every request after."""
+
+    from serve_app.engines.base import EngineDeadError
+
+    eng = EmbeddedEngine(model="tiny-random", max_num_seqs=4, max_model_len=128)
+    eng.start_sync()
+
+    async def main():
+        eng.check_health()
+        streams = [eng.generate(req(i, max_tokens=100)) for i in range(3)]
+        first = [await anext(s) for s in streams]  # all running
+        assert all(d.finish_reason is None for d in first)
+        end_thread(eng._thread)
+        await asyncio.to_thread(eng._thread.join, 10)
+        assert not eng._thread.is_alive()
+        for s in streams:
+            with pytest.raises(EngineDeadError, match="SystemExit"):
+                async for _ in s:
+                    pass
+        with pytest.raises(EngineDeadError):
+            eng.check_health()
+        with pytest.raises(EngineDeadError):
+            eng.generate(req(9, max_tokens=4))
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        asyncio.run(eng.shutdown())

@@ -41,6 +41,12 @@ class EngineOverloadedError(EngineError):
         self.retry_after_s = retry_after_s
 
 
+class EngineDeadError(EngineError):
+    """The engine can serve no more (its step loop ended without a shutdown). Its replica
+    reports itself unhealthy, so that Serve replaces it, and the ingress sends the request to
+    another replica if no token of it was sent."""
+
+
 def _number(name: str, value: object) -> float:
     """``value`` as a float, or InvalidRequestError naming ``name`` (a bool, a string, an integer
     past a float's range)."""

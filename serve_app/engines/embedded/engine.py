@@ -17,7 +17,14 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from ..base import EngineLoad, EngineOverloadedError, GenerateRequest, InvalidRequestError, TokenDelta
+from ..base import (
+    EngineDeadError,
+    EngineLoad,
+    EngineOverloadedError,
+    GenerateRequest,
+    InvalidRequestError,
+    TokenDelta,
+)
 from .adaptive import make_chooser
 from .config import EmbeddedOptions
 from .core import EngineCore
@@ -100,6 +107,7 @@ class EmbeddedEngine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._dead: str | None = None  # why the step thread ended, if it ended without a shutdown
         self._num_waiting = 0  # requests submitted but not yet handed to the step thread
 
     # -- lifecycle --------------------------------------------------------------------
@@ -128,6 +136,13 @@ class EmbeddedEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError once the step thread has ended without a shutdown."""
+        if self._dead is None and self._thread is not None and not self._thread.is_alive() and not self._stopping:
+            self._dead = "the engine's step thread has ended"
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
 
     # -- requests ---------------------------------------------------------------------
     @functools.cached_property
@@ -192,6 +207,7 @@ class EmbeddedEngine:
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Validate and queue the request now; stream its deltas from the returned iterator."""
+        self.check_health()
         if self.core is not None and self._num_waiting + len(self.core.scheduler.waiting) >= self.options.max_waiting:
             raise EngineOverloadedError(f"the engine queue is full ({self.options.max_waiting} waiting requests)")
         loop = asyncio.get_running_loop()
@@ -205,6 +221,9 @@ class EmbeddedEngine:
         try:
             while not done:
                 delta = await out.get()
+                if isinstance(delta, EngineDeadError):  # the step thread ended: nothing more comes
+                    done = True
+                    raise delta
                 done = delta.finish_reason is not None
                 yield delta
         finally:
@@ -249,19 +268,40 @@ class EmbeddedEngine:
     def _loop(self) -> None:
         _name_os_thread("specserve-step")
         core = self.core
-        while not self._stopping:
-            try:
-                self._drain()
-                if not core.has_work():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                core.step()
-            except Exception:  # a bug must not take the engine down with every request in it
-                log.exception("engine step failed; aborting its requests")
-                core.abort_all()
+        try:
+            while not self._stopping:
+                try:
+                    self._drain()
+                    if not core.has_work():
+                        self._wake.wait(0.05)
+                        self._wake.clear()
+                        continue
+                    core.step()
+                except Exception:  # a bug must not take the engine down with every request in it
+                    log.exception("engine step failed; aborting its requests")
+                    core.abort_all()
+        except BaseException as e:  # the thread ends (SystemExit, MemoryError in abort_all...)
+            self._dead = f"the engine's step thread ended: {type(e).__name__}: {e}"
+            log.critical("%s; failing its requests", self._dead)
+            self._fail_all(EngineDeadError(self._dead))
+            return
         self._drain()
         core.abort_all()
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """Hand ``error`` to every request the engine holds or has yet to take: their streams
+        raise it instead of waiting for deltas that will not come."""
+        seqs = list(self.core.scheduler.waiting) + list(self.core.scheduler.running)
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                seqs.append(arg)
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                seq.emit(error)
 
     def _drain(self) -> None:
         while True:
