@@ -5,6 +5,7 @@ import asyncio
 import grpc
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
+from serve_app.engines.base import EngineDeadError
 from serve_app.serving.errors import replica_lost, stream_error
 
 
@@ -19,6 +20,9 @@ def test_a_call_the_replicas_side_cut_off_counts_as_a_lost_replica():
     # running; Ray passes that CANCELLED through as it is.
     assert replica_lost(rpc_error(grpc.StatusCode.CANCELLED))
     assert replica_lost(rpc_error(grpc.StatusCode.UNAVAILABLE))
+    # An engine that can serve no more ends its replica's process; its error, should it reach the
+    # ingress first, sends the request elsewhere too.
+    assert replica_lost(EngineDeadError("the engine's step thread ended"))
 
 
 def test_other_failures_are_not_retried():

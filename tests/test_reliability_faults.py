@@ -46,18 +46,18 @@ def test_a_switch_storm_fails_nothing_and_changes_no_output(target):
     assert r["completed"] > 10
 
 
-def test_handle_calls_survive_a_killed_replica(target):
-    """The Ray handle API retries like HTTP: one-shot calls in flight when a replica dies
-    complete on another replica, with the same greedy output."""
+def handle_clients_through(target, fault, label: str) -> str:
+    """4 Ray handle clients calling ``generate`` (greedy, 48 tokens) while ``fault(actor name)``
+    hits the busiest replica; every call must complete with its reference output. Returns the
+    name of the replica hit."""
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    import ray
     from ray import serve
 
     handle = serve.get_app_handle(target.app_name)
-    prompts = [f"handle client {i} counts:" for i in range(4)]
+    prompts = [f"{label} client {i} counts:" for i in range(4)]
     kw = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
     reference = {p: handle.generate.remote(p, **kw).result(timeout_s=120)["text"] for p in prompts}
     stop, done, errors = threading.Event(), [], []
@@ -76,15 +76,46 @@ def test_handle_calls_survive_a_killed_replica(target):
         busiest = max(target.replica_infos(), key=lambda info: info["load"]["running"] + info["load"]["waiting"])
         assert busiest["load"]["running"] > 0
         victim = next(n for n in target.replica_actor_names() if n.endswith(f"#{busiest['replica_id']}"))
-        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        fault(victim)
         time.sleep(3.0)
         stop.set()
         for f in futures:
             f.result(timeout=180)
     assert not errors, errors[:3]
     assert len(done) > len(prompts) and all(done)
-    while len(target.replica_actor_names()) < REPLICAS:  # leave the module's app whole for the next test
+    deadline = time.monotonic() + 120  # a new replica in its place; the module's app whole for the next test
+    while victim in (names := target.replica_actor_names()) or len(names) < REPLICAS:
+        assert time.monotonic() < deadline, names
         time.sleep(0.5)
+    return victim
+
+
+def test_handle_calls_survive_a_killed_replica(target):
+    """The Ray handle API retries like HTTP: one-shot calls in flight when a replica dies
+    complete on another replica, with the same greedy output."""
+    import ray
+
+    handle_clients_through(target, lambda name: ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True),
+                           "handle")
+
+
+def test_a_replica_whose_step_thread_ends_costs_no_request_and_is_replaced(target):
+    """SystemExit raised in one replica's engine step thread, under load: the replica ends its
+    process, the one-shot calls in flight and after complete on the other replica with the same
+    greedy output, and Serve starts a replica in its place."""
+    import ray
+
+    def end_step_thread(_actor) -> int:  # runs in the replica's process (cloudpickled by value)
+        import ctypes
+        import threading
+
+        step = next(t for t in threading.enumerate() if t.name == "specserve-engine")
+        return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(step.ident), ctypes.py_object(SystemExit))
+
+    def fault(name: str) -> None:
+        assert ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(end_step_thread)) == 1
+
+    handle_clients_through(target, fault, "step thread")
 
 
 def test_a_short_soak_fails_nothing_and_samples_rss_and_ttft(target):

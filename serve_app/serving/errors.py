@@ -14,7 +14,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app.engines.base import EngineOverloadedError, InvalidRequestError
+from serve_app.engines.base import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from serve_app.serving import openai_protocol as oai
 
 logger = logging.getLogger(__name__)
@@ -29,9 +29,11 @@ this side raises asyncio.CancelledError, never these."""
 
 
 def replica_lost(e: BaseException) -> bool:
-    """The replica died, became unreachable or cut the call off: the request may go to another
-    one if no token was sent."""
-    return isinstance(e, RayActorError) or (isinstance(e, grpc.aio.AioRpcError) and e.code() in LOST_CALL_CODES)
+    """The replica died, became unreachable or cut the call off, or its engine can serve no
+    more: the request may go to another one if no token was sent."""
+    return isinstance(e, RayActorError | EngineDeadError) or (
+        isinstance(e, grpc.aio.AioRpcError) and e.code() in LOST_CALL_CODES
+    )
 
 
 class APIError(Exception):

@@ -6,22 +6,37 @@ applies every ``(version, num_steps)`` it hears of, from three paths, whichever 
 the long-poll on the controller (what guarantees delivery), the controller's direct
 broadcast to ``apply_num_steps``, and the answer to each load report. It reads the current mode
 before it takes any traffic.
+
+An engine that can serve no more (``EngineDeadError``: the embedded engine's step thread ended)
+takes the replica's process down with it, found by the next load report or request: the
+ingress then sends the requests that had not streamed a token to another replica, as after any
+replica death, and Serve starts a new one. A replica that answered errors instead would draw
+the least-loaded router's traffic, finishing its requests fastest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 import psutil
 from ray import serve
 
 from serve_app.control import ControllerOptions, PolicyConfig, ReplicaReport, get_or_create_controller
 from serve_app.engines import make_engine
-from serve_app.engines.base import EngineOverloadedError, GenerateRequest, InvalidRequestError, Logprob, TokenDelta
+from serve_app.engines.base import (
+    EngineDeadError,
+    EngineOverloadedError,
+    GenerateRequest,
+    InvalidRequestError,
+    Logprob,
+    TokenDelta,
+)
 from serve_app.engines.config import EngineConfig
 from serve_app.serving.config import Limits, StreamOptions
 from serve_app.serving.metrics import replica_metrics
@@ -130,6 +145,7 @@ class LLMReplica:
         applying: asyncio.Task | None = None
         while True:
             await asyncio.sleep(interval)
+            self.check_health()
             try:
                 report = self.report()
                 self._metrics.observe_load(
@@ -191,6 +207,16 @@ class LLMReplica:
             "rss_bytes": psutil.Process().memory_info().rss,
         }
 
+    def check_health(self) -> None:
+        """Serve's health check (every ``health_check_period_s``), and the report loop's: an
+        engine that can serve no more ends the replica's process (see the module)."""
+        check = getattr(self._engine, "check_health", None)
+        if check is not None:
+            try:
+                check()
+            except EngineDeadError as e:
+                _end_process(self._id, e)
+
     # -- requests -----------------------------------------------------------------------------
 
     async def stream(self, request: GenerateRequest, messages: list[dict] | None = None) -> AsyncIterator[TokenDelta]:
@@ -202,7 +228,10 @@ class LLMReplica:
         start = time.perf_counter()
         first_at = last_at = None
         completion_tokens = 0
-        deltas = self._pacer.pace(self._engine.generate(request))
+        try:
+            deltas = self._pacer.pace(self._engine.generate(request))
+        except EngineDeadError as e:
+            _end_process(self._id, e)
         try:
             async for delta in deltas:
                 last_at = time.perf_counter()
@@ -210,6 +239,8 @@ class LLMReplica:
                     first_at = last_at
                 completion_tokens = delta.completion_tokens
                 yield delta
+        except EngineDeadError as e:
+            _end_process(self._id, e)
         finally:
             aclose = getattr(deltas, "aclose", None)
             if aclose is not None:
@@ -247,6 +278,15 @@ class LLMReplica:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             await engine.shutdown()
+
+
+def _end_process(replica_id: str, e: EngineDeadError) -> NoReturn:
+    """End this replica's process at once (see the module): its calls in flight fail as after a
+    replica death, which the ingress retries, and Serve replaces it."""
+    logger.critical("replica %s: %s; ending the replica's process", replica_id, e)
+    for handler in logging.getLogger().handlers + logger.handlers:
+        handler.flush()
+    os._exit(1)
 
 
 def _ignore_failure(task: asyncio.Task) -> None:
