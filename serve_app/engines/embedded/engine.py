@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import torch
 
@@ -291,24 +291,21 @@ class EmbeddedEngine:
     def _fail_all(self, error: EngineDeadError) -> None:
         """Hand ``error`` to every request the engine holds or has yet to take: their streams
         raise it instead of waiting for deltas that will not come."""
-        seqs = list(self.core.scheduler.waiting) + list(self.core.scheduler.running)
-        while True:
-            try:
-                kind, arg = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                seqs.append(arg)
-        for seq in seqs:
+        queued = [arg for kind, arg in self._take_inbox() if kind == "add"]
+        for seq in [*self.core.scheduler.waiting, *self.core.scheduler.running, *queued]:
             if seq.status is not Status.FINISHED:
                 seq.emit(error)
 
-    def _drain(self) -> None:
+    def _take_inbox(self) -> Iterator[tuple[str, object]]:
+        """The inbox's items, taken until it is empty."""
         while True:
             try:
-                kind, arg = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain(self) -> None:
+        for kind, arg in self._take_inbox():
             if kind == "add":
                 self._num_waiting -= 1
                 self.core.add(arg)
