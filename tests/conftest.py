@@ -5,6 +5,7 @@ import os
 import pytest
 
 from serve_app.serving.config import set_ray_env
+from serve_app.tools.bench.client import free_port  # the tests' servers take ports as the benchmarks' do
 
 # Set before Ray starts so that every Ray worker inherits them.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -38,12 +39,6 @@ def ray_session():
         serve.shutdown()
     finally:
         ray.shutdown()
-
-
-def free_port() -> int:
-    from serve_app.tools.bench.client import free_port
-
-    return free_port()
 
 
 @pytest.fixture(scope="session")

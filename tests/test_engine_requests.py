@@ -198,7 +198,6 @@ def end_thread(thread, exc=SystemExit) -> None:
 def test_an_ended_step_thread_fails_its_requests_and_every_new_one_and_the_health_check():
     """No request waits forever on a step thread that is gone: those it held raise
     EngineDeadError, and so do check_health and every request after."""
-
     from serve_app.engines.base import EngineDeadError
 
     eng = EmbeddedEngine(model="tiny-random", max_num_seqs=4, max_model_len=128)
