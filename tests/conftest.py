@@ -129,10 +129,10 @@ def deploy(name: str, base_url: str, args: dict, replica_options: dict | None = 
     from ray import serve
 
     from serve_app.control.actor import delete_controller
-    from serve_app.serving.app import build_app
+    from serve_app.serving.app import bind_app
 
     delete_controller(name)
-    serve.run(build_app(args, replica_options), name=name, route_prefix=f"/{name}")
+    serve.run(bind_app(args, replica_options), name=name, route_prefix=f"/{name}")
     return LiveApp(name, base_url, args)
 
 

@@ -5,6 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
+from ray._common.utils import import_attr
+from ray.serve import Application
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app.serving.config import AppArgs
@@ -24,6 +27,9 @@ def test_config_validates(name):
     assert app.import_path == "serve_app.serving.app:build_app"
     args = AppArgs.model_validate(app.args)
     assert args.policy.tiers[-1].num_steps == 0
+    # What `serve run` does with the import path and the args (Serve wants a builder of one parameter).
+    built = call_user_app_builder_with_args_if_necessary(import_attr(app.import_path), app.args)
+    assert isinstance(built, Application)
 
 
 def test_local_config_binds_localhost_with_two_embedded_replicas():

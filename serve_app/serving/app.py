@@ -23,7 +23,13 @@ INGRESS_DEPLOYMENT = "OpenAIIngress"
 LEAST_LOADED_ROUTER = "serve_app.serving.routing.LeastLoadedRouter"
 
 
-def build_app(args: AppArgs | dict[str, Any], replica_options: dict[str, Any] | None = None) -> Application:
+def build_app(args: AppArgs | dict[str, Any]) -> Application:
+    """The application builder that ``serve run CONFIG`` calls with the config's ``args``
+    (Serve calls a builder of exactly one parameter): :func:`bind_app`."""
+    return bind_app(args)
+
+
+def bind_app(args: AppArgs | dict[str, Any], replica_options: dict[str, Any] | None = None) -> Application:
     """Validate ``args`` (errors name the field) and bind the application.
 
     ``replica_options``: more of Serve's deployment options for the replicas (for example
