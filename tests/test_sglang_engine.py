@@ -4,6 +4,8 @@ tests/test_sglang_pinned.py; the real engine needs GPUs)."""
 
 import asyncio
 import json
+import multiprocessing
+import signal
 import sys
 import threading
 import time
@@ -13,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.engines.base import EngineError, GenerateRequest, InvalidRequestError, SamplingParams
+from serve_app.engines.base import EngineDeadError, EngineError, GenerateRequest, InvalidRequestError, SamplingParams
 from serve_app.engines.sglang import compat, plugin
 from serve_app.engines.sglang import engine as engine_mod
 from serve_app.engines.sglang.config import SGLangOptions
@@ -96,6 +98,22 @@ class FakeEngine:
 
     def shutdown(self):
         self.stopped = True
+        for proc in getattr(self, "processes", []):
+            proc.kill()
+            proc.join()
+
+
+class FakeEngineWithProcesses(FakeEngine):
+    """Starts real processes, as SGLang starts its schedulers and detokenizer: exit codes are
+    the processes' own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        ctx = multiprocessing.get_context("spawn")  # as SGLang
+        self.processes = [ctx.Process(target=time.sleep, args=(60,)) for _ in range(2)]
+        self.processes.append(ctx.Process(target=time.sleep, args=(0,)))  # finishes its work: exit code 0
+        for proc in self.processes:
+            proc.start()
 
 
 @pytest.fixture(params=[compat.OLDEST, compat.NEWEST])
@@ -328,3 +346,22 @@ def test_shutdown_aborts_running_requests_and_stops_sglang(sglang):
     assert fake.tokenizer_manager.aborted == ["*"] and fake.stopped
     with pytest.raises(EngineError):
         eng.generate(GenerateRequest("r", prompt="hi"))
+
+
+def test_a_process_of_sglangs_that_fails_makes_the_engine_dead_and_a_shutdown_does_not(sglang, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngineWithProcesses))
+    eng, fake = started(sglang)
+    try:
+        assert {p.pid for p in eng._processes} == {p.pid for p in fake.processes}
+        fake.processes[2].join(30)
+        assert fake.processes[2].exitcode == 0
+        eng.check_health()  # one process finished with 0, two run: healthy
+        scheduler = fake.processes[1]
+        scheduler.kill()
+        scheduler.join(30)
+        with pytest.raises(EngineDeadError, match=rf"pid {scheduler.pid}\) ended by signal SIGKILL"):
+            eng.check_health()
+    finally:
+        asyncio.run(eng.shutdown())
+    eng.check_health()  # shut down: its processes ended on purpose
+    assert all(p.exitcode == -signal.SIGKILL for p in fake.processes[:2])

@@ -42,9 +42,10 @@ class EngineOverloadedError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine can serve no more (its step loop ended without a shutdown). Its replica ends
-    its own process (serve_app.serving.replica), so that the ingress sends the request to
-    another replica if no token of it was sent, and Serve replaces the replica."""
+    """The engine can serve no more (its step loop, or a process it runs on, ended without a
+    shutdown). Its replica ends its own process (serve_app.serving.replica), so that the
+    ingress sends the request to another replica if no token of it was sent, and Serve
+    replaces the replica."""
 
 
 def _number(name: str, value: object) -> float:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +22,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from serve_app.engines.base import (
+    EngineDeadError,
     EngineError,
     EngineLoad,
     GenerateRequest,
@@ -59,6 +62,7 @@ class SGLangEngine:
         self._rpc_pending: concurrent.futures.Future | None = None
         self._state_dir: str | None = None
         self._closing = False
+        self._processes: list[multiprocessing.process.BaseProcess] = []  # SGLang's schedulers and detokenizer
 
     async def start(self) -> None:
         check_plugin_installed()
@@ -78,7 +82,11 @@ class SGLangEngine:
         import sglang  # noqa: PLC0415 - needs CUDA; only on GPU machines
 
         # Loads weights and captures CUDA graphs for every candidate step count: minutes.
+        before = {p.pid for p in multiprocessing.active_children()}
         self._engine = await asyncio.to_thread(sglang.Engine, **kwargs)
+        # The processes SGLang started for this engine (multiprocessing keeps every child it
+        # starts, from any thread): the schedulers, one a TP rank, and the detokenizer.
+        self._processes = [p for p in multiprocessing.active_children() if p.pid not in before]
         try:
             check_adaptive_active(self._engine.server_args, self.release)
             await self.set_num_steps(self._num_steps)  # also proves the plugin runs in the schedulers
@@ -86,6 +94,17 @@ class SGLangEngine:
             await asyncio.to_thread(self._engine.shutdown)
             self._engine = None
             raise
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError once a process of SGLang's (a scheduler, the detokenizer) has
+        ended with a failure while the engine runs: its requests would otherwise wait for
+        output that never comes. The replica then ends its own process (the ingress re-sends
+        what it can, Serve starts a replacement), which SGLang's own subprocess watchdog also
+        asks for with a SIGQUIT to this process, within about a second."""
+        if self._engine is None or self._closing:
+            return
+        if failed := failed_processes(self._processes):
+            raise EngineDeadError("SGLang's " + "; ".join(failed) + ": the engine can serve no more")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The prompt of chat ``messages``, rendered with the model's own template by the
@@ -238,6 +257,26 @@ class SGLangEngine:
         self._rpc_pool.shutdown(wait=False, cancel_futures=True)
         if self._state_dir:
             shutil.rmtree(self._state_dir, ignore_errors=True)
+
+
+def failed_processes(processes: list[multiprocessing.process.BaseProcess]) -> list[str]:
+    """Each process that has ended with a nonzero exit code or by a signal, described; as
+    SGLang's own watchdog, an exit code 0 is a process that finished its work."""
+    out = []
+    for p in processes:
+        code = p.exitcode  # None while it runs (a non-blocking waitpid)
+        if code is None or code == 0:
+            continue
+        how = f"signal {signal_name(-code)}" if code < 0 else f"exit code {code}"
+        out.append(f"process {p.name} (pid {p.pid}) ended by {how}")
+    return out
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def sampling_dict(params: SamplingParams) -> dict[str, Any]:
