@@ -7,6 +7,8 @@
 #   infra/gpu/run_h200.sh serve   OUT_DIR [plain|app|all [serve_study options]]   (RESULT=, CONFIG= to change names)
 #                                              # infra/gpu/serve_study.py: plain SGLang's table; serve run
 #                                              # configs/gpu-h200.yaml, the openai client, the tables, the ramp
+#   infra/gpu/run_h200.sh fault   OUT_DIR [fault_study options]   (RESULT=, CONFIG= to change names)
+#                                              # infra/gpu/fault_study.py: an SGLang scheduler killed under load
 # Each step writes its log and JSON under OUT_DIR; `serve` merges `engine`'s JSON (kept in
 # $SPECSERVE_GPU/engine.json, or ENGINE_JSON) into gpu_sglang_h200.json, kept in $SPECSERVE_GPU
 # so that `serve DIR plain` and then `serve DIR app` (one 10-minute call each) build one file,
@@ -17,8 +19,8 @@
 # env.sh, the GGUF and the exported models.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-step="${1:?usage: run_h200.sh prepare|engine|serve DIR}"
-dir="${2:?usage: run_h200.sh prepare|engine|serve DIR}"
+step="${1:?usage: run_h200.sh prepare|engine|serve|fault DIR}"
+dir="${2:?usage: run_h200.sh prepare|engine|serve|fault DIR}"
 gpu="${SPECSERVE_GPU:-/tmp/specserve-gpu}"
 export PYTHONUNBUFFERED=1
 
@@ -69,8 +71,19 @@ EOF
     cp "$gpu/$result" "$dir/" 2>/dev/null || true
     exit "$rc"
     ;;
+  fault)
+    # shellcheck disable=SC1091
+    source "$gpu/env.sh"
+    mkdir -p "$dir"
+    shift 2  # what is left goes to fault_study.py
+    ulimit -c 0  # the replica ends by SIGQUIT (SGLang's watchdog): no core file of a process that maps the GPU
+    rc=0
+    python3 infra/gpu/fault_study.py --config "${CONFIG:-configs/gpu-h200.yaml}" --out "$dir/${RESULT:-gpu_sglang_h200_fault.json}" \
+      --logs "$dir/logs-fault" --ray-stop-force "$@" 2>&1 | tee "$dir/fault.log" || rc=$?
+    exit "$rc"
+    ;;
   *)
-    echo "unknown step $step: prepare, engine or serve" >&2
+    echo "unknown step $step: prepare, engine, serve or fault" >&2
     exit 2
     ;;
 esac

@@ -571,13 +571,9 @@ async def greedy_by_step_policy(target: Target, prompts) -> dict:
             "texts": {k: v for k, v in texts.items() if not k.endswith("replicas")}}
 
 
-async def measure_app(config: str, logs: Path, prompts, res: Results, quick: bool = False,
-                      tables: tuple[str, ...] | None = None, ramp_policy: str = "dynamic") -> None:
-    """The app's phases; ``quick``: after the openai client, only the tables of steps 3 and 0 at
-    16, 64 and 256 clients. ``tables``: the labels of APP_TABLES to run (default all); the ramp
-    runs under ``ramp_policy`` (dynamic or two-level)."""
+def launch_app(config: str, logs: Path) -> tuple[Server, Target]:
+    """``serve run CONFIG`` in a Ray cluster of its own; the server and its API (not yet up)."""
     port = app_port(config)
-    url = f"http://127.0.0.1:{port}"
     refuse_if_taken(port, "`serve run`'s HTTP proxy")
     # A Ray temp folder of this run's own: `serve run` starts a fresh cluster there (it does not
     # join one left running elsewhere), and its processes can be told apart by it.
@@ -587,7 +583,16 @@ async def measure_app(config: str, logs: Path, prompts, res: Results, quick: boo
     # `serve run CONFIG`, through Ray's own CLI entry point (a --target install may have no bin/ on PATH).
     cli = "import sys; from ray.serve.scripts import cli; cli(['run', sys.argv[1]], prog_name='serve')"
     server = start("serve run", [sys.executable, "-c", cli, config], logs / "serve-run.log", env, ray_tmp)
-    target = Target(url, TOKEN)
+    return server, Target(f"http://127.0.0.1:{port}", TOKEN)
+
+
+async def measure_app(config: str, logs: Path, prompts, res: Results, quick: bool = False,
+                      tables: tuple[str, ...] | None = None, ramp_policy: str = "dynamic") -> None:
+    """The app's phases; ``quick``: after the openai client, only the tables of steps 3 and 0 at
+    16, 64 and 256 clients. ``tables``: the labels of APP_TABLES to run (default all); the ramp
+    runs under ``ramp_policy`` (dynamic or two-level)."""
+    server, target = launch_app(config, logs)
+    url = target.url
     events = Events()
     data = res.data
     try:
