@@ -5,6 +5,8 @@ import io
 import json
 import os
 import stat
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -39,6 +41,13 @@ def test_baseline_choices_are_hf_llamacpp_both_or_none():
 def test_bad_baseline_arguments_are_rejected_before_anything_loads(bad):
     with pytest.raises(SystemExit):
         main(["engine", *bad])
+
+
+def test_the_module_s_help_prints_usage_and_builds_nothing(cache):
+    proc = subprocess.run([sys.executable, "-m", "serve_app.tools.bench.llamacpp", "--help"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0 and "usage: python -m serve_app.tools.bench.llamacpp" in proc.stdout
+    assert not cache.exists()
 
 
 def test_binaries_on_path_come_first(tmp_path, cache):

