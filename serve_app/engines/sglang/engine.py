@@ -99,8 +99,8 @@ class SGLangEngine:
         """Raise EngineDeadError once a process of SGLang's (a scheduler, the detokenizer) has
         ended with a failure while the engine runs: its requests would otherwise wait for
         output that never comes. The replica then ends its own process (the ingress re-sends
-        what it can, Serve starts a replacement), which SGLang's own subprocess watchdog also
-        asks for with a SIGQUIT to this process, within about a second."""
+        what it can, Serve starts a replacement). SGLang 0.5.17's own subprocess watchdog
+        polls once a second and sends this process a SIGQUIT, whose default action ends it too."""
         if self._engine is None or self._closing:
             return
         if failed := failed_processes(self._processes):
