@@ -138,7 +138,7 @@ def test_a_rolling_update_under_load_loses_no_request(serve_http):
 
     from ray import serve
 
-    from serve_app.serving.app import build_app
+    from serve_app.serving.app import bind_app
     from serve_app.tools.bench.fault_load import Load, result
 
     opts = {"graceful_shutdown_timeout_s": 1.0, "graceful_shutdown_wait_loop_s": 0.2}
@@ -153,7 +153,7 @@ def test_a_rolling_update_under_load_loses_no_request(serve_http):
         started = time.monotonic()
         with Load(t.prefix, 4, max_tokens, ref) as load:
             time.sleep(2.0)
-            serve.run(build_app(args, opts), name=app.name, route_prefix=f"/{app.name}")
+            serve.run(bind_app(args, opts), name=app.name, route_prefix=f"/{app.name}")
             t.wait_converged(mode, REPLICAS, timeout_s=120)
             time.sleep(2.0)
         r = result("rolling_update", load.tally, started)
