@@ -63,14 +63,16 @@ def test_run_local_serves_the_readme_request(tmp_path):
             assert time.monotonic() < deadline, "the config's two replicas did not both report in 60 s"
             time.sleep(1)
     finally:
-        stopped_s = stop(proc, ray_tmp)
+        stopped_s, rc = stop(proc, ray_tmp)
     print(f"serve run stopped {stopped_s} s after Ctrl-C" if stopped_s is not None else "serve run ignored Ctrl-C")
+    if stopped_s is not None:  # ended on its own: as a user's Ctrl-C ends it, not by a failure
+        assert rc in (0, -signal.SIGINT, 130), f"serve run ended with {rc} after Ctrl-C:\n{log_tail(log)}"
 
 
-def stop(proc: subprocess.Popen, ray_tmp: str, wait_s: float = 90) -> float | None:
+def stop(proc: subprocess.Popen, ray_tmp: str, wait_s: float = 90) -> tuple[float | None, int]:
     """Ctrl-C, as in the user's shell (SIGINT to the foreground process group); past ``wait_s``
     SIGKILL to the group and to every process left that names this run's Ray folder. Seconds
-    until ``serve run`` ended on its own, or None. Whether it ends in time is not asserted: once
+    until ``serve run`` ended on its own (or None), and its exit code. Whether it ends in time is not asserted: once
     in CI it had not after 90 s, on a loaded machine (not understood)."""
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
@@ -81,6 +83,7 @@ def stop(proc: subprocess.Popen, ray_tmp: str, wait_s: float = 90) -> float | No
         took = None
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    rc = proc.returncode
     for pid in Path("/proc").iterdir():
         try:
             if pid.name.isdigit() and ray_tmp.encode() in (pid / "environ").read_bytes():
@@ -88,4 +91,4 @@ def stop(proc: subprocess.Popen, ray_tmp: str, wait_s: float = 90) -> float | No
         except OSError:
             pass
     shutil.rmtree(ray_tmp, ignore_errors=True)
-    return took
+    return took, rc
