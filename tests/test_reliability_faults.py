@@ -125,7 +125,7 @@ def test_a_replica_whose_step_thread_ends_costs_no_request_and_is_replaced(targe
 
 
 def test_a_short_soak_fails_nothing_and_samples_rss_and_ttft(target):
-    r = soak(target, REPLICAS, clients=4, max_tokens=16, duration_s=60, sample_s=5)
+    r = soak(target, REPLICAS, clients=4, max_tokens=16, duration_s=40, sample_s=3)
     report(r)
     assert r["failed"] == 0 and r["cut"] == 0, r["errors"]
     assert r["rss_samples"] >= 12 and len(r["rss"]) == REPLICAS
