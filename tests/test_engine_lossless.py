@@ -151,8 +151,7 @@ def test_real_model_greedy_output_is_identical_for_every_num_steps_alone_and_bat
                for p in PROMPT_SETS["copy"][:10] + PROMPT_SETS["chat"][:10]]
     reference = run_greedy(engine, prompts, lambda s: 0, max_tokens=24, together=False)
     assert run_greedy(engine, prompts, lambda s: 3, max_tokens=24, together=False) == reference
-    # Random switches one request at a time on every fourth prompt (batched: all of them, below).
-    assert run_greedy(engine, prompts[::4], random_schedule(1), max_tokens=24, together=False) == reference[::4]
+    assert run_greedy(engine, prompts, random_schedule(1), max_tokens=24, together=False) == reference
     for schedule in (lambda s: 0, lambda s: 5, random_schedule(2)):
         assert run_greedy(engine, prompts, schedule, max_tokens=24, together=True) == reference
     assert engine.core.totals["accepted"] > 0
