@@ -1,4 +1,4 @@
-"""``python -m serve_app.tools.simulate``: run the cluster simulation; ``validate`` and ``study`` subcommands.
+"""``python -m serve_app.tools.simulate``: run the cluster simulation; ``validate``, ``study``, ``steps`` and ``bound`` subcommands.
 
     python -m serve_app.tools.simulate --curves h200-8b-roofline --replicas 64 --trace bursty \\
         --policy spec,off,dynamic --out bench/results/sim_run.json
@@ -152,10 +152,10 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("validate", "study", "steps"):
-        from . import study, study_steps, validate
+    if argv and argv[0] in ("validate", "study", "steps", "bound"):
+        from . import bound, study, study_steps, validate
 
-        module = {"validate": validate, "study": study, "steps": study_steps}[argv[0]]
+        module = {"validate": validate, "study": study, "steps": study_steps, "bound": bound}[argv[0]]
         p = argparse.ArgumentParser(
             prog=f"python -m serve_app.tools.simulate {argv[0]}",
             description=module.__doc__,

@@ -24,6 +24,7 @@ pays it; the static ``off`` policy is a plain engine and does not.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,6 +226,7 @@ def seed_8gpu_pcie(alpha: float | None = None) -> Curve:
     )
 
 
+@functools.cache
 def _gemm_ms() -> tuple[np.ndarray, np.ndarray]:
     rows = json.loads(GEMM_COST.read_text())["rows"]
     return np.array([r["tokens_per_forward"] for r in rows], float), np.array([r["ms"] for r in rows], float)
@@ -235,6 +237,20 @@ DRAFT_FRACTION = 0.06  # one draft step ≈ 6% of a target forward (1 layer + fu
 DRAFT_FIXED_MS = 0.2
 KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B: 32 layers × 8 kv heads × 128 × (K, V) × 2 bytes
 HBM_BYTES_PER_S = 3.8e12
+
+
+def gemm_ms(tokens: float) -> float:
+    """The H200 GEMM time of a Llama-3-8B forward over ``tokens`` tokens (linear between the
+    table's rows, proportional past its last)."""
+    tok, ms = _gemm_ms()
+    return float(np.interp(tokens, tok, ms)) if tokens <= tok[-1] else float(ms[-1] * tokens / tok[-1])
+
+
+def roofline_step_ms(fed_tokens: float, drafting: list[float] | tuple[float, ...] = ()) -> float:
+    """The roofline's decode step without attention: the target's forward over ``fed_tokens``
+    tokens, after one draft pass per entry of ``drafting`` (the rows that draft in that pass),
+    each ``DRAFT_FRACTION`` of a target forward over its rows plus ``DRAFT_FIXED_MS``."""
+    return gemm_ms(fed_tokens) + sum(DRAFT_FRACTION * gemm_ms(n) + DRAFT_FIXED_MS for n in drafting)
 
 
 def mean_accepted(k: int, alpha: float = ACCEPT_ALPHA) -> float:
@@ -249,19 +265,14 @@ def h200_8b_roofline(
 
     Attention is left out by default, as in the cost file; ``context_tokens`` > 0 adds one read
     of that many tokens' KV cache per request and step (the same for plain and verify steps)."""
-    tok, ms = _gemm_ms()
-
-    def gemm(n):
-        return np.interp(n, tok, ms, right=None) if n <= tok[-1] else ms[-1] * n / tok[-1]
-
     grid = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
-    prefill_s = gemm(prompt_tokens) / 1000
+    prefill_s = gemm_ms(prompt_tokens) / 1000
     points = {}
     for k in steps:
         pts = []
         for b in grid:
             attn_ms = 1000 * b * context_tokens * KV_BYTES_PER_TOKEN / HBM_BYTES_PER_S
-            step_ms = gemm(b * (k + 1)) + attn_ms + (k * (DRAFT_FRACTION * gemm(b) + DRAFT_FIXED_MS) if k else 0)
+            step_ms = roofline_step_ms(b * (k + 1), [b] * k) + attn_ms
             decode_s = output_tokens / mean_accepted(k) * step_ms / 1000  # one request's decode time
             pts.append((b, b * output_tokens / (prefill_s + decode_s), prefill_s))
         points[k] = pts
