@@ -1,6 +1,9 @@
 """Shared fixtures. ``ray_session`` starts one local Ray for the whole test session, on demand."""
 
+import functools
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +16,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray exports metrics every 10 s by default; the observability test reads them within seconds.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
-set_ray_env(own_ports=True)  # the stack's HTTP front and transport (serve_app.serving.config.RAY_ENV)
+# The stack's HTTP front and transport (serve_app.serving.config.RAY_ENV); each pytest-xdist worker
+# starts a Ray of its own, and takes its ingress ports from a half of the windows of its own.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+set_ray_env(own_ports=True, worker=int(_WORKER[2:]) if _WORKER.startswith("gw") else None)
 TEST_ADMIN_TOKEN_ENV = "SPECSERVE_TEST_ADMIN_TOKEN"
 TEST_ADMIN_TOKEN = "test-admin-token"
 os.environ[TEST_ADMIN_TOKEN_ENV] = TEST_ADMIN_TOKEN
@@ -223,3 +229,28 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+# -- two workers (scripts/test.sh: pytest-xdist's -n 2) ---------------------------------------------
+# The modules that use the session's Ray run in one worker, one after the other, so that one Ray
+# serves them all; every other module is a work unit of its own (its module-scoped fixtures set
+# up once), handed to whichever worker is free, in file order.
+_SESSION_RAY_FIXTURES = ("ray_session", "serve_http", "tiny_app", "fresh_tiny_app", "guard_app")
+
+
+@functools.cache
+def _uses_session_ray(path: Path) -> bool:
+    text = path.read_text() if path.is_file() else ""
+    return any(re.search(rf"\b{name}\b", text) for name in _SESSION_RAY_FIXTURES)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "session-ray" if _uses_session_ray(config.rootpath / module) else module
+
+    config.option.loadscopereorder = False  # file order: the session's Ray (tests/test_app_*) first
+    return ByModule(config, log)

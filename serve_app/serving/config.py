@@ -134,7 +134,7 @@ def free_ports_outside_ephemeral(n: int) -> list[int]:
     return ports
 
 
-def set_ray_env(own_ports: bool = False) -> None:
+def set_ray_env(own_ports: bool = False, worker: int | None = None) -> None:
     """:data:`RAY_ENV` into this process's environment where unset, before it starts Ray.
 
     ``own_ports``: this process starts a Ray of its own, which may run beside another on this
@@ -149,14 +149,16 @@ def set_ray_env(own_ports: bool = False) -> None:
     - the ingress replicas' own ports come from a window of 100 picked at random (one in 50)
       rather than Serve's 30000-31000 (and 40000-41000 for gRPC), which every Ray's controller
       hands out alone: a port one stack just released could otherwise go to the other's
-      ingress while the first stack's HAProxy still sends to it."""
+      ingress while the first stack's HAProxy still sends to it. ``worker`` (the tests' pytest-xdist
+      worker, 0 or 1) picks from the even or the odd windows, so that two workers' stacks never
+      share one."""
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
     if not (own_ports and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"):
         return
     for key, port in zip(HAPROXY_PORTS, free_ports_outside_ephemeral(len(HAPROXY_PORTS)), strict=True):
         os.environ[key] = str(port)
-    window = random.randrange(50)
+    window = random.randrange(50) if worker is None else 2 * random.randrange(25) + worker % 2
     for low_key, high_key, start in DIRECT_INGRESS_PORT_WINDOWS:
         os.environ[low_key] = str(start + 100 * window)
         os.environ[high_key] = str(start + 100 * window + 99)
