@@ -210,7 +210,8 @@ def guard_app(serve_http):
 # A test is slow when it starts Ray, trains a draft head (through these fixtures, or itself: then
 # it is marked `slow`) or loads the real model (`real_model`). `pytest` runs the rest; `pytest
 # --full` (what CI runs) runs all.
-_SLOW_FIXTURES = {"ray_session", "serve_http", "tiny_app", "fresh_tiny_app", "guard_app", "tiny_head"}
+_SESSION_RAY_FIXTURES = ("ray_session", "serve_http", "tiny_app", "fresh_tiny_app", "guard_app")
+_SLOW_FIXTURES = {*_SESSION_RAY_FIXTURES, "tiny_head"}
 
 
 def pytest_addoption(parser):
@@ -235,7 +236,6 @@ def pytest_collection_modifyitems(config, items):
 # The modules that use the session's Ray run in one worker, one after the other, so that one Ray
 # serves them all; every other module is a work unit of its own (its module-scoped fixtures set
 # up once), handed to whichever worker is free, in file order.
-_SESSION_RAY_FIXTURES = ("ray_session", "serve_http", "tiny_app", "fresh_tiny_app", "guard_app")
 
 
 @functools.cache
