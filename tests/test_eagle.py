@@ -49,6 +49,25 @@ def test_eagle_output_is_identical_for_every_num_steps_and_random_switches(tiny,
     assert totals["proposed"] > totals["accepted"], "drafts were never rejected"
 
 
+@pytest.mark.parametrize("weights", ["float32", "gguf"])
+def test_hybrid_drafts_by_lookup_where_the_suffix_repeats_by_the_head_elsewhere_and_is_lossless(tiny_head, weights):
+    engine = sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
+                         drafter="hybrid", draft_head=str(tiny_head), weights=weights)
+    drafter = engine.core.drafter
+    reference = run_greedy(engine, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False)
+    assert run_greedy(engine, TINY_PROMPTS, lambda s: 3, max_tokens=40, together=True) == reference
+    for seed in range(2):
+        assert run_greedy(engine, TINY_PROMPTS, random_schedule(seed), max_tokens=40, together=True) == reference
+    assert drafter.counts["lookup"] > 0 and drafter.counts["head"] > 0, drafter.counts
+    assert engine.core.totals["proposed"] > engine.core.totals["accepted"] > 0
+    assert not drafter.head.slot  # every sequence's head state released, lookup or not
+
+    # the routing itself: a repeated 3-gram drafts what followed it, anything else asks the head
+    ids = [5, 6, 7, 8, 9, 5, 6, 7]
+    assert drafter.lookup.propose(["a"], [ids], 2) == [[8, 9]]
+    assert drafter.lookup.propose(["b"], [[5, 6, 7, 8, 9, 6, 7]], 2) == [[]]  # a 2-gram match is not enough
+
+
 def test_eagle_sequences_release_their_head_state_and_slots_are_reused(tiny):
     prompts = TINY_PROMPTS * 2  # 40 requests through 8 slots
     reference = run_greedy(tiny, prompts[:20], lambda s: 0, max_tokens=16, together=False) * 2
@@ -171,14 +190,17 @@ def test_shipped_head_matches_its_manifest_and_records_how_it_was_made():
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("weights", ["float32", "gguf"])
-def test_real_model_with_the_shipped_head_is_lossless_and_accepts_drafts(weights):
-    engine = sync_engine(max_num_seqs=8, max_model_len=1024, drafter="eagle", weights=weights)
-    prompts = [engine.apply_chat_template(chat_messages(p)) for p in PROMPT_SETS["chat"][:6]]
+@pytest.mark.parametrize("weights,drafter", [("float32", "eagle"), ("gguf", "eagle"), ("gguf", "hybrid")])
+def test_real_model_with_the_shipped_head_is_lossless_and_accepts_drafts(weights, drafter):
+    engine = sync_engine(max_num_seqs=8, max_model_len=1024, drafter=drafter, weights=weights)
+    sets = ("chat",) if drafter == "eagle" else ("chat", "copy")  # copy-heavy answers: where lookup drafts
+    prompts = [engine.apply_chat_template(chat_messages(p)) for name in sets for p in PROMPT_SETS[name][:6 // len(sets)]]
     reference = run_greedy(engine, prompts, lambda s: 0, max_tokens=24, together=True)
     assert run_greedy(engine, prompts, random_schedule(3), max_tokens=24, together=True) == reference
     totals = engine.core.totals
     assert totals["accepted"] > 0.5 * totals["verifies"]
+    if drafter == "hybrid":
+        assert min(engine.core.drafter.counts.values()) > 0, engine.core.drafter.counts
 
 
 def test_pick_is_greedy_at_temperature_zero_and_samples_the_nucleus_only():

@@ -21,7 +21,9 @@ class EmbeddedOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "smollm2-135m-instruct"
-    drafter: Literal["ngram", "eagle"] = "ngram"
+    drafter: Literal["ngram", "eagle", "hybrid"] = Field(
+        "ngram", description="ngram: prompt lookup; eagle: the EAGLE-style head; hybrid: lookup where the sequence's "
+        "last ngram_max tokens occur earlier in it, the head elsewhere")
     draft_head: str | None = Field(None, description="EAGLE head .safetensors (default: the one shipped for the model)")
     max_num_seqs: int = Field(32, ge=1, le=1024, description="requests decoded together")
     max_model_len: int = Field(2048, ge=16, description="prompt + output tokens per request")
@@ -35,7 +37,8 @@ class EmbeddedOptions(BaseModel):
     long_prompt_tokens: int | None = Field(
         None, ge=1, description="prompts longer than this verify at most long_prompt_max_steps drafts a step")
     long_prompt_max_steps: int = Field(0, ge=0, description="the draft cap of long prompts (0: plain decoding)")
-    ngram_max: int = Field(3, ge=1, description="longest suffix n-gram the lookup drafter matches")
+    ngram_max: int = Field(3, ge=1, description="longest suffix n-gram the lookup drafter matches (hybrid: the "
+                           "match it needs)")
     ngram_min: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"

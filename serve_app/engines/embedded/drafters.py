@@ -71,12 +71,57 @@ class NgramDrafter:
         return [0] * len(seq_ids)
 
 
+class HybridDrafter:
+    """Prompt lookup where it has a long match, the EAGLE-style head elsewhere.
+
+    For each sequence of a step: when its last ``match_n`` tokens occur earlier in it (the
+    answer is copying its prompt or itself), the lookup's continuation is the draft; otherwise
+    the head drafts. The head observes every forward as it does alone, so a sequence it skipped
+    for lookup steps only has more positions to catch up on when it drafts for it again
+    (``backlog``). Lookup accepts far more than the head on copy-heavy answers and far less on
+    open chat, where it rarely finds a long match.
+    """
+
+    needs_hidden = True
+
+    def __init__(self, head: Drafter, match_n: int = 3):
+        self.head, self.lookup, self.match_n = head, NgramDrafter(max_n=match_n, min_n=match_n), match_n
+        self.feature_layers = head.feature_layers
+        self.counts = {"lookup": 0, "head": 0}  # sequences drafted by each, over the engine's life
+
+    def propose(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        if k <= 0 or not seq_ids:
+            return [[] for _ in seq_ids]
+        drafts = self.lookup.propose(seq_ids, token_ids, k)
+        rest = [b for b, d in enumerate(drafts) if not d]
+        if rest:
+            for b, d in zip(rest, self.head.propose([seq_ids[b] for b in rest], [token_ids[b] for b in rest], k),
+                            strict=True):
+                drafts[b] = d
+        self.counts["head"] += len(rest)
+        self.counts["lookup"] += len(seq_ids) - len(rest)
+        return drafts
+
+    def observe(self, seq_ids: Sequence[str], hidden: torch.Tensor, num_valid: Sequence[int]) -> None:
+        self.head.observe(seq_ids, hidden, num_valid)
+
+    def release(self, seq_id: str) -> None:
+        self.head.release(seq_id)
+
+    def backlog(self, seq_ids: Sequence[str]) -> list[int]:
+        return self.head.backlog(seq_ids)
+
+
+DRAFTERS = ("ngram", "eagle", "hybrid")
+
+
 def make_drafter(name: str, **kwargs) -> Drafter:
     if name == "ngram":
         return NgramDrafter(max_n=kwargs.get("ngram_max", 3), min_n=kwargs.get("ngram_min", 1))
-    if name == "eagle":
+    if name in ("eagle", "hybrid"):
         from .eagle import make_eagle_drafter
 
-        return make_eagle_drafter(kwargs["model"], kwargs.get("draft_head"), kwargs["model_name"],
+        head = make_eagle_drafter(kwargs["model"], kwargs.get("draft_head"), kwargs["model_name"],
                                   kwargs["max_num_seqs"], kwargs["capacity"])
+        return head if name == "eagle" else HybridDrafter(head, kwargs.get("ngram_max", 3))
     raise ValueError(f"unknown drafter {name!r}")

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from serve_app.control.steps import expected_tokens
 from serve_app.engines.base import SamplingParams
+from serve_app.engines.embedded.drafters import DRAFTERS
 
 from .client import sampling_for
 from .engine import IGNORE_EOS, _int_list, timed_request
@@ -52,7 +53,7 @@ PATTERN = 6  # the mixed workload repeats every 6 requests: chat/copy every 2, s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--drafter", choices=["ngram", "eagle"], default="eagle")
+    p.add_argument("--drafter", choices=DRAFTERS, default="eagle")
     p.add_argument("--weights", default="gguf")
     p.add_argument("--num-steps", type=int, default=3, help="drafts of every decode step (default 3)")
     p.add_argument("--requests", type=int, default=8, help="requests per class (default 8)")

@@ -30,6 +30,7 @@ from collections import Counter, defaultdict
 from tqdm import tqdm
 
 from serve_app.engines.base import SamplingParams
+from serve_app.engines.embedded.drafters import DRAFTERS
 
 from .client import sampling_for
 from .engine import IGNORE_EOS, Tally, _int_list, closed_loop, mirrored, timed_request
@@ -41,7 +42,7 @@ HELP = "the engine's per-step draft length against every fixed one, on a mixed w
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--drafter", choices=["ngram", "eagle"], default="eagle")
+    p.add_argument("--drafter", choices=DRAFTERS, default="eagle")
     p.add_argument("--weights", default="float32")
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--num-steps", type=_int_list, default=[0, 1, 3, 5],
