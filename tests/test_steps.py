@@ -11,6 +11,7 @@ from serve_app.control.steps import (
     GateState,
     StepCost,
     StepPolicyConfig,
+    best_group_lengths,
     choose_steps,
     expected_tokens,
     pick_probe_rows,
@@ -265,3 +266,17 @@ def test_probes_that_cost_more_are_spaced_further_apart_within_the_budget():
         c = choose_steps(4, [0.01] * 16, dear, gate, 2.0 * step, cfg)
         gate, probes = c.gate, probes + (c.reason == "probe")
     assert probes == 300 // math.ceil(extra / 0.02)
+
+
+def test_best_group_lengths_searches_one_length_or_one_per_group_and_ties_keep_fewer_drafts():
+    gain = {0: (0, 1, 2, 3), 1: (0, 3, 1, 0)}  # group 0 gains most at 3, group 1 at 1
+
+    def rate(lengths):
+        return sum(gain[g][k] for g, k in enumerate(lengths))
+
+    assert best_group_lengths(2, 3, True, rate) == (6, (3, 1))
+    assert best_group_lengths(2, 3, False, rate) == (4, (1, 1))  # 1+3 at one, 2+1 at two, 3+0 at three
+    assert best_group_lengths(1, 3, True, lambda lengths: 1.0) == (1.0, (0,))
+    seen = []
+    best_group_lengths(3, 2, False, lambda lengths: seen.append(lengths) or 0.0)
+    assert seen == [(0, 0, 0), (1, 1, 1), (2, 2, 2)]

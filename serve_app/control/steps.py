@@ -32,8 +32,9 @@ Pure: no torch, no clock, no I/O. The engine owns the state objects and the time
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import Field
@@ -295,6 +296,21 @@ class StepChoice:
 def rate(acceptances: Sequence[float | Sequence[float]], k: int, cost: StepCost) -> float:
     """Expected output tokens per second of a step of these sequences at ``k`` drafts."""
     return sum(expected_tokens(a, k) for a in acceptances) / cost.seconds(len(acceptances), k)
+
+
+def best_group_lengths(groups: int, ceiling: int, per_group: bool,
+                       rate_of: Callable[[tuple[int, ...]], float]) -> tuple[float, tuple[int, ...]]:
+    """(rate, lengths): the draft lengths, one per group of sequences, among ``0..ceiling`` with the
+    highest ``rate_of(lengths)``: one length for every group (``per_group`` False) or each group its
+    own (every combination, so for a handful of groups). Ties keep the first found, fewer drafts."""
+    options = itertools.product(range(ceiling + 1), repeat=groups) if per_group else \
+        ((k,) * groups for k in range(ceiling + 1))
+    top = (-math.inf, (0,) * groups)
+    for lengths in options:
+        r = rate_of(lengths)
+        if r > top[0] + 1e-12:
+            top = (r, lengths)
+    return top
 
 
 def probe_spacing(batch: int, k: int, cost: StepCost, config: StepPolicyConfig) -> int:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import itertools
 import json
 import sys
 from collections import Counter
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from serve_app.control.steps import expected_tokens
+from serve_app.control.steps import best_group_lengths, expected_tokens
 from serve_app.engines.base import SamplingParams
 from serve_app.engines.embedded.drafters import DRAFTERS
 
@@ -177,15 +176,13 @@ def best_lengths(acceptances: list[list[float]], ceiling: int, cost: LinearCost,
     (the head's passes) is fixed; so the search runs over a length per distinct acceptance."""
     groups = list(dict.fromkeys(tuple(a) for a in acceptances))
     which = [groups.index(tuple(a)) for a in acceptances]
-    options = itertools.product(range(ceiling + 1), repeat=len(groups)) if per_sequence \
-        else ((k,) * len(groups) for k in range(ceiling + 1))
-    best = (-1.0, (0,) * len(acceptances))
-    for by_group in options:
+
+    def rate(by_group: tuple[int, ...]) -> float:
         lengths = tuple(by_group[g] for g in which)
-        rate = sum(expected_tokens(a, k) for a, k in zip(acceptances, lengths, strict=True)) / cost.seconds(lengths)
-        if rate > best[0]:
-            best = (rate, lengths)
-    return best
+        return sum(expected_tokens(a, k) for a, k in zip(acceptances, lengths, strict=True)) / cost.seconds(lengths)
+
+    top, by_group = best_group_lengths(len(groups), ceiling, per_sequence, rate)
+    return top, tuple(by_group[g] for g in which)
 
 
 def bound(acc: dict[str, list[float]], cost: LinearCost, batches: list[int], ceilings: list[int]) -> list[dict]:

@@ -18,7 +18,6 @@ Writes ``bench/results/sim_per_sequence_bound.json``; takes a few seconds.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serve_app.control.steps import expected_tokens
+from serve_app.control.steps import best_group_lengths, expected_tokens
 
 from .curves import roofline_step_ms
 from .traces import DEFAULT_CLASSES, RequestClass, parse_classes
@@ -52,19 +51,19 @@ def best(counts: tuple[int, ...], tokens: np.ndarray, ceiling: int, per_class: b
     """(tokens per ms, lengths by class) of the best choice: one length for all, or one per class.
     ``tokens[c, k]``: expected tokens of a verify of k drafts for class c. Ties keep fewer drafts."""
     present = [c for c, n in enumerate(counts) if n]
-    if per_class:
-        options = itertools.product(range(ceiling + 1), repeat=len(present))
-    else:
-        options = ((k,) * len(present) for k in range(ceiling + 1))
-    top = (-1.0, (0,) * len(counts))
-    for chosen in options:
+
+    def by_class(chosen: tuple[int, ...]) -> tuple[int, ...]:
         lengths = [0] * len(counts)
         for c, k in zip(present, chosen, strict=True):
             lengths[c] = k
-        rate = sum(counts[c] * tokens[c, lengths[c]] for c in present) / step_ms(counts, tuple(lengths))
-        if rate > top[0] + 1e-12:
-            top = (rate, tuple(lengths))
-    return top
+        return tuple(lengths)
+
+    def rate(chosen: tuple[int, ...]) -> float:
+        lengths = by_class(chosen)
+        return sum(counts[c] * tokens[c, lengths[c]] for c in present) / step_ms(counts, lengths)
+
+    top, chosen = best_group_lengths(len(present), ceiling, per_class, rate)
+    return top, by_class(chosen)
 
 
 def bound(classes: tuple[RequestClass, ...], batches: list[int], ceiling: int, draws: int, seed: int) -> list[dict]:
