@@ -85,7 +85,7 @@ class HybridDrafter:
     needs_hidden = True
 
     def __init__(self, head: Drafter, match_n: int = 3):
-        self.head, self.lookup, self.match_n = head, NgramDrafter(max_n=match_n, min_n=match_n), match_n
+        self.head, self.lookup = head, NgramDrafter(max_n=match_n, min_n=match_n)
         self.feature_layers = head.feature_layers
         self.counts = {"lookup": 0, "head": 0}  # sequences drafted by each, over the engine's life
 
