@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.control.steps import StepPolicyConfig
+
+DrafterName = Literal["ngram", "eagle", "hybrid"]
+DRAFTERS: tuple[str, ...] = get_args(DrafterName)
 
 
 class EmbeddedOptions(BaseModel):
@@ -21,7 +24,7 @@ class EmbeddedOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "smollm2-135m-instruct"
-    drafter: Literal["ngram", "eagle", "hybrid"] = Field(
+    drafter: DrafterName = Field(
         "ngram", description="ngram: prompt lookup; eagle: the EAGLE-style head; hybrid: lookup where the sequence's "
         "last ngram_max tokens occur earlier in it, the head elsewhere")
     draft_head: str | None = Field(None, description="EAGLE head .safetensors (default: the one shipped for the model)")

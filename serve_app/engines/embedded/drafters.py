@@ -112,9 +112,6 @@ class HybridDrafter:
         return self.head.backlog(seq_ids)
 
 
-DRAFTERS = ("ngram", "eagle", "hybrid")
-
-
 def make_drafter(name: str, **kwargs) -> Drafter:
     if name == "ngram":
         return NgramDrafter(max_n=kwargs.get("ngram_max", 3), min_n=kwargs.get("ngram_min", 1))

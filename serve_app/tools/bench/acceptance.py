@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from serve_app.control.steps import best_group_lengths, expected_tokens
 from serve_app.engines.base import SamplingParams
-from serve_app.engines.embedded.drafters import DRAFTERS
+from serve_app.engines.embedded.config import DRAFTERS
 
 from .client import sampling_for
 from .engine import IGNORE_EOS, _int_list, timed_request

@@ -43,7 +43,7 @@ from datetime import UTC, datetime
 from tqdm import tqdm
 
 from serve_app.engines.base import GenerateRequest, SamplingParams
-from serve_app.engines.embedded.drafters import DRAFTERS
+from serve_app.engines.embedded.config import DRAFTERS
 from serve_app.engines.embedded.weights import DEFAULT_MODEL, TINY_MODEL
 
 from . import llamacpp

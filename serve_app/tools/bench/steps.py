@@ -30,7 +30,7 @@ from collections import Counter, defaultdict
 from tqdm import tqdm
 
 from serve_app.engines.base import SamplingParams
-from serve_app.engines.embedded.drafters import DRAFTERS
+from serve_app.engines.embedded.config import DRAFTERS
 
 from .client import sampling_for
 from .engine import IGNORE_EOS, Tally, _int_list, closed_loop, mirrored, timed_request
