@@ -62,7 +62,8 @@ def test_hybrid_drafts_by_lookup_where_the_suffix_repeats_by_the_head_elsewhere_
     assert engine.core.totals["proposed"] > engine.core.totals["accepted"] > 0
     assert not drafter.head.slot  # every sequence's head state released, lookup or not
 
-    # the routing itself: a repeated 3-gram drafts what followed it, anything else asks the head
+    # the lookup it routes by: a repeated 3-gram drafts what followed it; no such match drafts nothing,
+    # and the head drafts for that sequence instead (the counts above)
     ids = [5, 6, 7, 8, 9, 5, 6, 7]
     assert drafter.lookup.propose(["a"], [ids], 2) == [[8, 9]]
     assert drafter.lookup.propose(["b"], [[5, 6, 7, 8, 9, 6, 7]], 2) == [[]]  # a 2-gram match is not enough

@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per point (default max(2 x concurrency, 8))")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per num_steps before the grid")
     p.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="the engine's drafter (default ngram)")
-    p.add_argument("--draft-head", default=None, help="with --drafter eagle: a head's .safetensors (default: the shipped one)")
+    p.add_argument("--draft-head", default=None, help="with --drafter eagle or hybrid: a head's .safetensors (default: the shipped one)")
     p.add_argument("--weights", type=_weight_formats, default=["float32"],
                    help="comma list of weight formats, one engine each, measured side by side point by point; "
                         "crossover and the HF pairs use the first (default float32)")
