@@ -67,6 +67,49 @@ def test_hybrid_drafts_by_lookup_where_the_suffix_repeats_by_the_head_elsewhere_
     ids = [5, 6, 7, 8, 9, 5, 6, 7]
     assert drafter.lookup.propose(["a"], [ids], 2) == [[8, 9]]
     assert drafter.lookup.propose(["b"], [[5, 6, 7, 8, 9, 6, 7]], 2) == [[]]  # a 2-gram match is not enough
+    assert drafter.sources(["a", "b"], [ids, [5, 6, 7, 8, 9, 6, 7]]) == ["lookup", "head"]
+    assert drafter.sources(["a"], [ids + [8]]) == ["lookup"] and drafter.propose(["a"], [ids + [8]], 2) == [[9, 5]]
+    drafter.release("a"), drafter.release("b")
+    assert not drafter._matches
+
+
+def test_a_hybrid_step_charges_the_head_only_its_own_rows(tiny_head):
+    """Under the adaptive chooser a hybrid engine tells the chooser each row's source, and the
+    head positions it reports for a step are those of the rows the head drafted for."""
+    from serve_app.control.steps import StepPolicyConfig
+    from serve_app.engines.embedded.adaptive import StepChooser
+
+    engine = sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=256, max_prefill_tokens=24,
+                         drafter="hybrid", draft_head=str(tiny_head), weights="float32")
+    drafter, seen = engine.core.drafter, []
+    reference = run_greedy(engine, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False)
+    chooser = engine.core.chooser = StepChooser(StepPolicyConfig(probe_interval_s=1e-9, probe_every_steps=1))
+    observe, backlog = chooser.observe, drafter.backlog
+
+    def spy_observe(ids, proposed, accepted, live, k, seconds, head_s=0.0, head_rows=0, sources=None):
+        rows = range(len(ids)) if chooser.last.rows is None else chooser.last.rows  # a probe's are a few
+        seen.append((rows, k, head_rows, list(sources or []), backlogs.pop()))
+        return observe(ids, proposed, accepted, live, k, seconds, head_s, head_rows, sources)
+
+    backlogs = []
+
+    def spy_backlog(ids):
+        backlogs.append(backlog(ids))
+        return backlogs[-1]
+
+    chooser.observe, drafter.backlog = spy_observe, spy_backlog
+    try:
+        assert run_greedy(engine, TINY_PROMPTS, lambda s: 3, max_tokens=40, together=True) == reference
+    finally:
+        engine.core.chooser = None
+        del drafter.backlog
+    drafting = [s for s in seen if s[1] > 0]
+    assert drafting and any("lookup" in s[3] for s in drafting) and any("head" in s[3] for s in drafting)
+    for rows, k, head_rows, sources, pending in drafting:
+        head = [r for r in rows if sources[r] == "head"]
+        assert head_rows == sum(pending[r] for r in head) + len(head) * k
+    state = chooser.state()["engine_acceptance_by_source"]
+    assert set(state) == {"lookup", "head"}
 
 
 def test_eagle_sequences_release_their_head_state_and_slots_are_reused(tiny):

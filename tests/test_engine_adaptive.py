@@ -119,3 +119,25 @@ def test_the_chooser_charges_the_heads_propose_to_the_head_and_the_rest_to_the_c
     chooser.observe(["a", "b"], [0, 0], [0, 0], [True, True], 0, 0.015)  # a plain step: no head
     assert cost.head_sums[8] < 2.0  # its count decayed, not fed
     assert chooser.state()["head_cost_per_row_s"] == pytest.approx(head_per_row, rel=0.01)
+
+
+def test_the_chooser_keeps_acceptance_by_draft_source_and_prices_the_head_for_its_rows():
+    """A hybrid drafter's lookup and head accept differently, on one request too: the chooser
+    estimates each source apart, and a row drafted by lookup adds no head time to the step."""
+    from serve_app.control.steps import StepPolicyConfig
+    from serve_app.engines.embedded.adaptive import StepChooser
+
+    chooser = StepChooser(StepPolicyConfig())
+    for _ in range(40):  # the lookup drafts all 3 right, the head none
+        chooser.observe(["a", "b"], [3, 3], [3, 0], [True, True], 3, 0.020, 0.004, 2 + 3, ["lookup", "head"])
+        chooser.observe(["a", "b"], [3, 3], [0, 0], [True, True], 3, 0.020, 0.008, 2 * (2 + 3), ["head", "head"])
+    prior = chooser.prior(3, "lookup")
+    assert prior[0] > 0.9 and chooser.prior(3, "head")[0] < 0.1
+    assert chooser.estimate("a", prior, "lookup")[0] > 0.9 and chooser.estimate("a", chooser.prior(3), "head")[0] < 0.1
+    by_source = chooser.state()["engine_acceptance_by_source"]
+    assert by_source["lookup"][0] > 0.9 and by_source["head"][0] < 0.1
+    assert chooser.state()["engine_acceptance"] == by_source["head"]  # the source drafted most
+    assert chooser.choose(["a", "b"], 3, [0, 0], ["lookup", "lookup"]).num_steps == 3
+    assert chooser.choose(["a", "b"], 3, [0, 0], ["head", "head"]).num_steps == 0
+    chooser.release("a")
+    assert "a" not in chooser.requests

@@ -173,6 +173,24 @@ def test_the_head_fit_separates_its_base_its_positions_and_its_passes():
     assert cost.head(4, 0) == 0.0 and StepCost().head(4, 3) == 0.0  # no head in a plain step; none seen yet
 
 
+def test_the_head_is_priced_for_the_rows_it_drafts_for():
+    """Rows drafted by prompt lookup run no head: a batch the head drafts for none of costs the
+    verify alone, and one where it drafts for some costs its passes over those rows."""
+    cost = fitted(0.010, 0.0002)
+    for k in (1, 3, 5):  # each pass 4 ms, each position 0.5 ms: a dear head
+        for rows in (2 * (1 + 2 * k), 40):
+            cost.observe(2, k, 0.011 + 0.004 * k + 0.0005 * rows, head_s=0.004 * k + 0.0005 * rows, head_rows=rows)
+    assert cost.seconds(2, 3, head_batch=2) == pytest.approx(cost.seconds(2, 3))
+    assert cost.seconds(2, 3, head_batch=0) == pytest.approx(cost.verify(2, 3))
+    assert cost.verify(2, 3) < cost.seconds(2, 3, head_batch=1) < cost.seconds(2, 3)
+    accs = [0.6, 0.6]
+    with_head = choose_steps(5, accs, cost, GateState(), 0.0, CFG)
+    by_lookup = choose_steps(5, accs, cost, GateState(), 0.0, CFG, head_batch=0)
+    assert with_head.num_steps < by_lookup.num_steps == 5
+    assert by_lookup.expected_tokens_per_s == pytest.approx(
+        2 * expected_tokens(0.6, 5) / cost.verify(2, 5))
+
+
 def test_high_acceptance_and_a_small_batch_draft_up_to_the_ceiling():
     cost = fitted(0.010, 0.0002)  # memory-bound: rows are cheap
     choice = choose_steps(5, [0.9], cost, GateState(), 0.0, CFG)

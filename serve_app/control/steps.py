@@ -254,9 +254,10 @@ class StepCost:
         return self.head_fit
 
     def head(self, batch: int, k: int) -> float:
-        """The head's seconds in a step of drafting that goes on: a catch-up of at most
-        ``1 + k`` positions a sequence, then ``k`` draft passes one after the other."""
-        if k <= 0:
+        """The head's seconds in a step of drafting that goes on for ``batch`` sequences: a
+        catch-up of at most ``1 + k`` positions a sequence, then ``k`` draft passes one after
+        the other."""
+        if k <= 0 or batch <= 0:
             return 0.0
         head_base, head_per_row, head_per_pass = self.head_coefficients()
         return head_base + head_per_row * batch * (1 + 2 * k) + head_per_pass * k
@@ -267,8 +268,10 @@ class StepCost:
         scale = 1.0 if cell is None else (cell[0] + self.cell_prior) / (cell[1] + self.cell_prior)
         return self.model(batch, k) * scale
 
-    def seconds(self, batch: int, k: int) -> float:
-        return self.verify(batch, k) + self.head(batch, k)
+    def seconds(self, batch: int, k: int, head_batch: int | None = None) -> float:
+        """A step of ``batch`` sequences at ``k`` drafts, the head drafting for ``head_batch``
+        of them (None: all; the others are drafted without a model, by prompt lookup)."""
+        return self.verify(batch, k) + self.head(batch if head_batch is None else head_batch, k)
 
 
 @dataclass(slots=True)
@@ -293,9 +296,11 @@ class StepChoice:
     """The batch positions that draft (a probe's); None: every sequence."""
 
 
-def rate(acceptances: Sequence[float | Sequence[float]], k: int, cost: StepCost) -> float:
-    """Expected output tokens per second of a step of these sequences at ``k`` drafts."""
-    return sum(expected_tokens(a, k) for a in acceptances) / cost.seconds(len(acceptances), k)
+def rate(acceptances: Sequence[float | Sequence[float]], k: int, cost: StepCost, head_batch: int | None = None) -> float:
+    """Expected output tokens per second of a step of these sequences at ``k`` drafts, the head
+    drafting for ``head_batch`` of them (None: all)."""
+    seconds = cost.seconds(len(acceptances), k) if head_batch is None else cost.seconds(len(acceptances), k, head_batch)
+    return sum(expected_tokens(a, k) for a in acceptances) / seconds
 
 
 def best_group_lengths(groups: int, ceiling: int, per_group: bool,
@@ -330,22 +335,25 @@ def pick_probe_rows(backlogs: Sequence[int] | None, batch: int, config: StepPoli
 
 
 def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], cost: StepCost, gate: GateState,
-                 now: float, config: StepPolicyConfig, backlogs: Sequence[int] | None = None) -> StepChoice:
+                 now: float, config: StepPolicyConfig, backlogs: Sequence[int] | None = None,
+                 head_batch: int | None = None) -> StepChoice:
     """This step's draft length: the ``k`` in ``0..ceiling`` with the most expected tokens per
     second; 0 unless it beats plain decoding by ``min_gain``. While that keeps speculation
     off, a probing step of ``probe_steps`` drafts runs every ``probe_interval_s`` and at most
     once in :func:`probe_spacing` steps, for the sequences :func:`pick_probe_rows` picks by
     ``backlogs`` (each sequence's positions its draft head has yet to catch up on). Each
-    acceptance is one number or one per position.
+    acceptance is one number or one per position. ``head_batch``: how many of the sequences the
+    draft head drafts for (None: all; the rest by prompt lookup, which costs no head time).
 
-    ``cost`` is asked only ``seconds(batch, k)``: any object with that method works (the
-    simulator passes step times read off an engine curve)."""
+    ``cost`` is asked only ``seconds(batch, k)`` (and ``seconds(batch, k, head_batch)`` where
+    ``head_batch`` is given): any object with that method works (the simulator passes step times
+    read off an engine curve)."""
     if ceiling <= 0 or not acceptances:
         return StepChoice(0, "ceiling", GateState(False, gate.last_probe_at, gate.steps_since_probe + 1))
-    plain = rate(acceptances, 0, cost)
+    plain = rate(acceptances, 0, cost, head_batch)
     best_k, best = 0, plain
     for k in range(1, ceiling + 1):
-        r = rate(acceptances, k, cost)
+        r = rate(acceptances, k, cost, head_batch)
         if r > best:
             best_k, best = k, r
     if best_k > 0 and best >= config.min_gain * plain:

@@ -12,6 +12,7 @@ from collections import deque
 
 from serve_app.control.steps import Acceptance, GateState, StepChoice, StepCost, StepPolicyConfig, choose_steps
 
+HEAD = "head"  # the source of a drafter's model's drafts (drafters.Drafter.sources)
 WINDOW_S = 5.0  # mean_num_steps averages the decode steps of this many seconds, as load()'s other rates
 
 
@@ -25,30 +26,36 @@ class StepChooser:
     def __init__(self, config: StepPolicyConfig, clock=time.monotonic):
         self.config = config
         self.clock = clock
-        self.engine = Acceptance(config.engine_half_life)
+        self.engines: dict[str, Acceptance] = {}  # the engine's acceptance, by draft source
         self.cost = StepCost()
         self.gate = GateState()
-        self.requests: dict[str, Acceptance] = {}
+        self.requests: dict[str, dict[str, Acceptance]] = {}  # request -> source -> its acceptance
         self.last: StepChoice | None = None
         self.reasons: dict[str, int] = {}
         self.history: deque[tuple[float, int]] = deque()  # (time, k) of recent decode steps
 
-    def prior(self, depth: int) -> list[float]:
-        """The engine's acceptance at draft positions 1..depth."""
-        return self.engine.estimate(self.config.initial_acceptance, 1.0, depth)
+    def prior(self, depth: int, source: str = HEAD) -> list[float]:
+        """The engine's acceptance at draft positions 1..depth, of the drafts from ``source``."""
+        engine = self.engines.get(source)
+        return [self.config.initial_acceptance] * depth if engine is None else \
+            engine.estimate(self.config.initial_acceptance, 1.0, depth)
 
-    def estimate(self, request_id: str, prior: list[float]) -> list[float]:
-        """A request's acceptance by position: its own drafts, with the engine's as a prior."""
-        own = self.requests.get(request_id)
+    def estimate(self, request_id: str, prior: list[float], source: str = HEAD) -> list[float]:
+        """A request's acceptance by position: its own drafts from ``source``, with the engine's as a prior."""
+        own = self.requests.get(request_id, {}).get(source)
         return prior if own is None else own.estimate(prior, self.config.prior_trials, len(prior))
 
-    def choose(self, request_ids: list[str], ceiling: int, backlogs: list[int] | None = None) -> StepChoice:
+    def choose(self, request_ids: list[str], ceiling: int, backlogs: list[int] | None = None,
+               sources: list[str] | None = None) -> StepChoice:
         """This step's choice; ``backlogs``: each request's positions the draft head has yet to
-        catch up on (a probe drafts for the requests with the fewest)."""
+        catch up on (a probe drafts for the requests with the fewest); ``sources``: what drafts
+        each request this step (the drafter's ``sources``; None: the head drafts for all)."""
         now = self.clock()
-        prior = self.prior(ceiling)
-        choice = choose_steps(ceiling, [self.estimate(r, prior) for r in request_ids], self.cost, self.gate, now,
-                              self.config, backlogs)
+        sources = sources or [HEAD] * len(request_ids)
+        priors = {src: self.prior(ceiling, src) for src in set(sources)}
+        acceptances = [self.estimate(r, priors[src], src) for r, src in zip(request_ids, sources, strict=True)]
+        choice = choose_steps(ceiling, acceptances, self.cost, self.gate, now, self.config, backlogs,
+                              head_batch=sources.count(HEAD))
         self.gate, self.last = choice.gate, choice
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         self.history.append((now, choice.num_steps))
@@ -57,19 +64,31 @@ class StepChooser:
         return choice
 
     def observe(self, request_ids: list[str], proposed: list[int], accepted: list[int], live: list[bool], k: int,
-                seconds: float, head_s: float = 0.0, head_rows: int = 0) -> None:
+                seconds: float, head_s: float = 0.0, head_rows: int = 0, sources: list[str] | None = None) -> None:
         """After a decode step of ``k`` drafts that took ``seconds``, ``head_s`` of them in the
-        drafter's ``propose`` over ``head_rows`` positions: what each request proposed and had
-        accepted; ``live``: the request still runs (a finished one keeps no estimate)."""
-        for rid, p, n, running in zip(request_ids, proposed, accepted, live, strict=True):
+        drafter's ``propose``, whose head ran over ``head_rows`` positions: what each request
+        proposed and had accepted, drafted from ``sources`` (None: the head for all); ``live``:
+        the request still runs (a finished one keeps no estimate)."""
+        sources = sources or [HEAD] * len(request_ids)
+        for rid, p, n, running, src in zip(request_ids, proposed, accepted, live, sources, strict=True):
             if p > 0:
-                self.engine.observe(p, n)
+                self.engines.setdefault(src, Acceptance(self.config.engine_half_life)).observe(p, n)
                 if running:
-                    self.requests.setdefault(rid, Acceptance(self.config.request_half_life)).observe(p, n)
+                    own = self.requests.setdefault(rid, {})
+                    own.setdefault(src, Acceptance(self.config.request_half_life)).observe(p, n)
         self.cost.observe(len(request_ids), k, seconds, head_s, head_rows)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+    def main_source(self) -> str:
+        """The source with the most drafts verified lately (the head before any)."""
+        return max(self.engines, key=lambda src: self.engines[src].trials[0] if self.engines[src].trials else 0.0,
+                   default=HEAD)
+
+    def _engine_acceptance(self, source: str) -> list[float]:
+        engine = self.engines.get(source)
+        return [round(a, 4) for a in self.prior(max(1, len(engine.trials) if engine else 1), source)]
 
     def mean_num_steps(self) -> float | None:
         """Mean draft length of the decode steps of the last 5 s (None: no step)."""
@@ -82,7 +101,8 @@ class StepChooser:
         base, per_row, per_draft = self.cost.coefficients()
         head_base, head_per_row, head_per_pass = self.cost.head_coefficients()
         return {
-            "engine_acceptance": [round(a, 4) for a in self.prior(max(1, len(self.engine.trials)))],
+            "engine_acceptance": self._engine_acceptance(self.main_source()),
+            "engine_acceptance_by_source": {src: self._engine_acceptance(src) for src in sorted(self.engines)},
             "gate_shut": self.gate.shut,
             "last_reason": None if self.last is None else self.last.reason,
             "reasons": dict(self.reasons),

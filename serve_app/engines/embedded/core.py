@@ -162,10 +162,13 @@ class EngineCore:
         started = time.perf_counter()
         num_steps, rows = ceiling, range(len(seqs))
         ids = [s.request_id for s in seqs]
-        backlogs = None
+        backlogs = sources = None
         if ceiling > 0 and self.chooser is not None:
-            backlogs = self.drafter.backlog(ids)
-            choice = self.chooser.choose(ids, ceiling, backlogs)
+            # A sequence the lookup drafts runs no head: nothing to catch up on, no head cost.
+            sources = self.drafter.sources(ids, [s.token_ids for s in seqs])
+            backlogs = [b if src == "head" else 0
+                        for b, src in zip(self.drafter.backlog(ids), sources, strict=True)]
+            choice = self.chooser.choose(ids, ceiling, backlogs, sources)
             num_steps = choice.num_steps
             rows = rows if choice.rows is None else choice.rows  # a probe drafts for a few
         self.last_num_steps = num_steps
@@ -176,8 +179,9 @@ class EngineCore:
             limits = [min(num_steps, seqs[r].params.max_tokens - seqs[r].num_output_tokens - 1,
                           num_steps if seqs[r].params.spec_max_steps is None else seqs[r].params.spec_max_steps)
                       for r in rows]
-            if backlogs is not None:  # what the step cost charges to the head
-                head_rows = sum(backlogs[r] for r in rows) + len(rows) * num_steps
+            if sources is not None:  # the positions the head runs over: its rows' catch-up and drafts
+                head = [r for r in rows if sources[r] == "head"]
+                head_rows = sum(backlogs[r] for r in head) + len(head) * num_steps
             head_started = time.perf_counter()
             proposed = self.drafter.propose([ids[r] for r in rows], [seqs[r].token_ids for r in rows], num_steps)
             head_s = time.perf_counter() - head_started
@@ -215,7 +219,7 @@ class EngineCore:
         if self.chooser is not None:
             live = [s.status is not Status.FINISHED for s in seqs]
             self.chooser.observe(ids, [len(d) for d in drafts], accepted_per_seq, live,
-                                 width - 1, time.perf_counter() - started, head_s, head_rows)
+                                 width - 1, time.perf_counter() - started, head_s, head_rows, sources)
 
     def _observe(self, seqs: list[Sequence], hidden: torch.Tensor, num_valid: list[int]) -> None:
         """Hand the drafter the hidden states of the sequences still running (finished ones are released)."""

@@ -34,6 +34,12 @@ class Drafter(Protocol):
         """Each sequence's positions the next ``propose`` runs its model over before it drafts
         (what was decoded since it last ran); 0 for a drafter that keeps no state."""
 
+    def sources(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[str]:
+        """What the next ``propose`` drafts each sequence with: ``"head"`` (a model, which first
+        catches up on its ``backlog``, at a cost per position) or ``"lookup"`` (prompt lookup:
+        no model, nothing to catch up on). Acceptance differs by source, so the adaptive
+        chooser keeps an estimate per source, and prices the head for the head's rows only."""
+
 
 class NgramDrafter:
     """Prompt lookup: find the sequence's last n tokens earlier in it, propose what followed.
@@ -49,17 +55,22 @@ class NgramDrafter:
         self.max_n, self.min_n = max_n, min_n
 
     def propose(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
-        return [self._lookup(np.asarray(ids, dtype=np.int64), k) for ids in token_ids]
+        return [self._lookup(ids, k) for ids in token_ids]
 
-    def _lookup(self, ids: np.ndarray, k: int) -> list[int]:
-        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            suffix = ids[-n:]
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
+    def _lookup(self, ids: Sequence[int], k: int) -> list[int]:
+        start = self.match(ids)
+        return [] if start is None else [int(t) for t in ids[start:start + k]]
+
+    def match(self, ids: Sequence[int]) -> int | None:
+        """Where the continuation of the most recent earlier occurrence of the sequence's last n
+        tokens starts (n from ``max_n`` down to ``min_n``); None: no match."""
+        arr = np.asarray(ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + n
-                return ids[start:start + k].tolist()
-        return []
+                return int(hits[-1]) + n
+        return None
 
     def observe(self, seq_ids, hidden, num_valid) -> None:
         pass
@@ -69,6 +80,9 @@ class NgramDrafter:
 
     def backlog(self, seq_ids: Sequence[str]) -> list[int]:
         return [0] * len(seq_ids)
+
+    def sources(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[str]:
+        return ["lookup"] * len(seq_ids)
 
 
 class HybridDrafter:
@@ -88,12 +102,25 @@ class HybridDrafter:
         self.head, self.lookup = head, NgramDrafter(max_n=match_n, min_n=match_n)
         self.feature_layers = head.feature_layers
         self.counts = {"lookup": 0, "head": 0}  # sequences drafted by each, over the engine's life
+        self._matches: dict[str, tuple[int, int | None]] = {}  # seq -> (its length, match) of sources()
+
+    def _match(self, seq_id: str, ids: Sequence[int]) -> int | None:
+        """The lookup's match for the sequence as it stands, found once per step (``sources``
+        and ``propose`` of one step share it)."""
+        known = self._matches.get(seq_id)
+        if known is None or known[0] != len(ids):
+            known = self._matches[seq_id] = (len(ids), self.lookup.match(ids))
+        return known[1]
+
+    def sources(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[str]:
+        return ["head" if self._match(s, ids) is None else "lookup" for s, ids in zip(seq_ids, token_ids, strict=True)]
 
     def propose(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
         if k <= 0 or not seq_ids:
             return [[] for _ in seq_ids]
-        drafts = self.lookup.propose(seq_ids, token_ids, k)
-        rest = [b for b, d in enumerate(drafts) if not d]
+        starts = [self._match(s, ids) for s, ids in zip(seq_ids, token_ids, strict=True)]
+        drafts = [[] if at is None else [int(t) for t in ids[at:at + k]] for ids, at in zip(token_ids, starts, strict=True)]
+        rest = [b for b, at in enumerate(starts) if at is None]
         if rest:
             for b, d in zip(rest, self.head.propose([seq_ids[b] for b in rest], [token_ids[b] for b in rest], k),
                             strict=True):
@@ -106,6 +133,7 @@ class HybridDrafter:
         self.head.observe(seq_ids, hidden, num_valid)
 
     def release(self, seq_id: str) -> None:
+        self._matches.pop(seq_id, None)
         self.head.release(seq_id)
 
     def backlog(self, seq_ids: Sequence[str]) -> list[int]:

@@ -199,6 +199,9 @@ class EagleDrafter:
     def backlog(self, seq_ids: Sequence[str]) -> list[int]:
         return [self.pending_rows.get(s, 0) for s in seq_ids]
 
+    def sources(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[str]:
+        return ["head"] * len(seq_ids)
+
     def release(self, seq_id: str) -> None:
         if seq_id in self.slot:
             self.free.append(self.slot.pop(seq_id))
