@@ -29,6 +29,7 @@ changes with the row count, so that format feeds it 16 rows at a time (``BF16Lin
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -49,8 +50,9 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
-    except (RuntimeError, AttributeError) as e:  # an op this torch build lacks: the plain path
-        log.warning("oneDNN linear unavailable (%s); using F.linear", e)
+    except (RuntimeError, AttributeError) as e:  # an op this torch build or CPU lacks: the plain path
+        if weight.dtype == torch.float32:  # (BF16Linear says what it does instead)
+            log.warning("oneDNN linear unavailable (%s); using F.linear", e)
         return None
 
 
@@ -99,6 +101,13 @@ class _CompactLinear:
     normed = Linear.normed
 
 
+@functools.cache
+def _warn_bf16_in_float32() -> None:
+    log.warning("this CPU has no bfloat16 product kernel (oneDNN's needs AVX512 or AVX-NE-CONVERT): "
+                "bfloat16 weights are multiplied in float32 here, from the same rounded weights and inputs, "
+                "at twice their memory")
+
+
 BF16_ROWS = 16  # rows per oneDNN call in bfloat16: the layout the weight is reordered for
 
 
@@ -114,14 +123,18 @@ class BF16Linear(_CompactLinear):
     rows and about 3x at 64 to 128; the LM head (49152 x 576), 1.1x at 1 to 16 rows (2.7
     against 2.5 ms) and 2.7x at 64. Calls of 64 rows would cost the LM head 1.6x at 1 row."""
 
-    __slots__ = ("packed",)
+    __slots__ = ("packed", "wide")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.packed, self.bias = _reorder(weight.to(torch.bfloat16)), bias
-        if self.packed is None:
-            raise RuntimeError("the bfloat16 weight format needs oneDNN on the CPU")
+        rounded = weight.to(torch.bfloat16)
+        self.packed, self.bias, self.wide = _reorder(rounded), bias, None
+        if self.packed is None:  # no bfloat16 kernel on this CPU (oneDNN's needs AVX512 or AVX-NE-CONVERT)
+            _warn_bf16_in_float32()
+            self.wide = Linear(rounded.float())
 
     def _product(self, rows):
+        if self.wide is not None:  # the same rounded operands, summed in float32, rounded as the kernel's output
+            return self.wide(rows.float()).to(torch.bfloat16)
         m = rows.shape[0]
         if m % BF16_ROWS:
             rows = F.pad(rows, (0, 0, 0, BF16_ROWS - m % BF16_ROWS))
