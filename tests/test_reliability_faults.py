@@ -18,7 +18,7 @@ def target(serve_http):
 
 
 def report(r: dict) -> None:
-    keys = ("sent", "completed", "failed", "retried", "cut")
+    keys = ("sent", "completed", "failed", "retried", "cut", "resent")
     print(f"\n{r['scenario']}: " + " ".join(f"{k}={r[k]}" for k in keys), {k: r[k] for k in r if k not in keys})
 
 
@@ -42,7 +42,7 @@ def test_a_switch_storm_fails_nothing_and_changes_no_output(target):
     r = switch_storm(target, REPLICAS, clients=4, max_tokens=24, duration_s=10, period_s=0.1)
     report(r)
     assert r["failed"] == 0 and r["mismatched"] == 0 and r["cut"] == 0, r["errors"]
-    assert r["switches"] >= 50 and r["switches_refused"] == 0
+    assert r["switches"] >= 30 and r["switches_refused"] == 0  # each PUT waits for its broadcast: 0.1-0.25 s
     assert r["completed"] > 10
 
 

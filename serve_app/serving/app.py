@@ -23,6 +23,9 @@ INGRESS_DEPLOYMENT = "OpenAIIngress"
 LEAST_LOADED_ROUTER = "serve_app.serving.routing.LeastLoadedRouter"
 
 
+INGRESS_SHUTDOWN_S = 300.0  # a stopping ingress's time to finish its streams (a config's deployments may set it)
+
+
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The application builder that ``serve run CONFIG`` calls with the config's ``args``
     (Serve calls a builder of exactly one parameter): :func:`bind_app`."""
@@ -57,7 +60,10 @@ def bind_app(args: AppArgs | dict[str, Any], replica_options: dict[str, Any] | N
         **(replica_options or {}),
     ).bind(args.engine, args.policy, args.controller, args.limits, args.streaming)
     # Constructor arguments exclude scaling, so that scaling does not restart replicas.
-    return OpenAIIngress.options(name=INGRESS_DEPLOYMENT, ray_actor_options=args.ingress_ray_actor_options).bind(
+    # A rolling update replaces the ingress too; its streams last as long as a generation, which
+    # outlasts Serve's default 20 s to finish, so a stopping ingress gets longer than its replicas.
+    return OpenAIIngress.options(name=INGRESS_DEPLOYMENT, ray_actor_options=args.ingress_ray_actor_options,
+                                 graceful_shutdown_timeout_s=INGRESS_SHUTDOWN_S).bind(
         replica,
         REPLICA_DEPLOYMENT,
         args.policy,

@@ -27,13 +27,16 @@ PROMPTS = [
 class Tally:
     """What the clients saw. ``failed`` counts client-visible failures (anything but a 200 with
     the reference output, or a cut stream ended cleanly); ``retried`` counts answers the
-    ingress re-dispatched after losing a replica (header ``x-specserve-attempts`` > 1)."""
+    ingress re-dispatched after losing a replica (header ``x-specserve-attempts`` > 1);
+    ``resent`` counts requests the client sent again once because the connection closed before
+    any response came (as OpenAI's SDK resends on a connection error, twice by default)."""
 
     sent: int = 0
     completed: int = 0
     failed: int = 0
     retried: int = 0
     cut: int = 0
+    resent: int = 0
     mismatched: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -81,23 +84,40 @@ class Load:
                 except Exception as e:  # a timeout here is a hang
                     self.tally.fail(f"{type(e).__name__}: {e}")
 
+    async def _send(self, http: httpx.AsyncClient, body: dict) -> httpx.Response:
+        """The response, its body still to read; sent a second time where the connection closed
+        before any response (a kept-alive connection the server side closed as it was reused),
+        never where a response began."""
+        try:
+            return await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+        except (httpx.RemoteProtocolError, httpx.ConnectError):
+            self.tally.resent += 1
+            return await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+
     async def _one(self, http: httpx.AsyncClient, prompt: str, stream: bool) -> None:
         body = {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True}
         t = self.tally
         if not stream:
-            r = await http.post("/v1/completions", json=body)
+            r = await self._send(http, body)
+            try:
+                await r.aread()
+            finally:
+                await r.aclose()
             if r.status_code != 200:
                 return t.fail(f"{r.status_code}: {r.text[:200]}")
             text = r.json()["choices"][0]["text"]
         else:
             sent = time.monotonic()
-            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                lines = []
+            r = await self._send(http, {**body, "stream": True})
+            lines = []
+            try:
                 async for line in r.aiter_lines():
                     if line and not lines and r.status_code == 200:
                         self.ttft.append((sent, time.monotonic() - sent))
                     if line:
                         lines.append(line)
+            finally:
+                await r.aclose()
             if r.status_code != 200:
                 return t.fail(f"{r.status_code}: {lines[:1]}")
             if lines[-1:] != ["data: [DONE]"]:

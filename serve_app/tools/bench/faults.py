@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_row(r: dict) -> str:
-    keys = ("sent", "completed", "failed", "retried", "cut")
+    keys = ("sent", "completed", "failed", "retried", "cut", "resent")
     extra = {k: v for k, v in r.items() if k not in (*keys, "scenario", "errors", "mismatched")}
     counts = " ".join(f"{k}={r[k]}" for k in keys)
     errors = f"\n  first errors: {r['errors'][:3]}" if r["errors"] else ""
