@@ -46,7 +46,7 @@ async def _gate_recovers():
             shut_seen = shut_seen or chooser.gate.shut
         await asyncio.gather(*tasks)
         assert shut_seen, f"the gate never shut: {chooser.state()}"
-        assert chooser.prior(1)[0] < 0.3
+        assert chooser.prior(1, "lookup")[0] < 0.3  # the ngram drafter's drafts are the lookup's
         probes = chooser.reasons.get("probe", 0)
 
         # Copy prompts accept most drafts: speculation is back, and stays, within 5 s.
@@ -60,7 +60,7 @@ async def _gate_recovers():
                 break
         await asyncio.gather(*tasks)
         assert back_after is not None and back_after < 5.0, (back_after, chooser.state())
-        assert chooser.prior(1)[0] > 0.5, chooser.state()  # the engine's estimate followed the new traffic
+        assert chooser.prior(1, "lookup")[0] > 0.5, chooser.state()  # the engine's estimate followed the new traffic
         assert chooser.reasons["gain"] > 0 and chooser.reasons.get("probe", 0) >= probes
         assert engine.core.totals["accepted"] > 0
     finally:

@@ -148,7 +148,7 @@ def test_the_other_compact_formats_keep_greedy_output_for_every_num_steps(weight
 def test_real_model_greedy_output_is_identical_for_every_num_steps_alone_and_batched(weights):
     engine = sync_engine(max_num_seqs=24, max_model_len=1024, weights=weights)
     prompts = [engine.apply_chat_template([{"role": "user", "content": p}])
-               for p in PROMPT_SETS["copy"][:10] + PROMPT_SETS["chat"][:10]]
+               for p in PROMPT_SETS["copy"][:6] + PROMPT_SETS["chat"][:6]]
     reference = run_greedy(engine, prompts, lambda s: 0, max_tokens=24, together=False)
     assert run_greedy(engine, prompts, lambda s: 3, max_tokens=24, together=False) == reference
     assert run_greedy(engine, prompts, random_schedule(1), max_tokens=24, together=False) == reference

@@ -68,8 +68,10 @@ def test_requests_past_every_replicas_limit_wait_for_a_free_one(serve_http):
     try:
         started = time.monotonic()
         (ids,) = narrow.remote([(6, 0.5)]).result()
-        assert sorted(Counter(ids).values()) == [3, 3]
-        assert time.monotonic() - started >= 1.5  # three rounds of two
+        # both serve, one at a time each: three rounds of two at least (which replica frees
+        # first and takes a waiting request is a race on a loaded host: 3 and 3, or 2 and 4)
+        assert len(ids) == 6 and min(Counter(ids).values()) >= 2 and len(Counter(ids)) == 2
+        assert time.monotonic() - started >= 1.5
     finally:
         serve.delete("routing-narrow")
 
