@@ -59,17 +59,24 @@ LLAMACPP = "llamacpp"  # the llama.cpp side of a grid cell, next to the engine's
 
 
 def cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo (None elsewhere). The machine these benchmarks
-    run on has come up on different hosts (an AMD EPYC, an Intel Xeon), whose speeds differ:
-    results record which."""
+    """The CPU's model name from /proc/cpuinfo with its widest vector unit, e.g. "AMD EPYC
+    (avx2)" (None elsewhere). The machine these benchmarks run on has come up on different
+    hosts (AMD EPYCs with and without AVX512, an Intel Xeon), whose speeds differ and whose
+    kernels differ with the vector unit: results record which."""
+    name, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if line.startswith("model name") and name is None:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return None
+    if name is None:
+        return None
+    unit = next((unit for flag, unit in (("avx512f", "avx512"), ("avx2", "avx2")) if flag in flags), None)
+    return name if unit is None else f"{name} ({unit})"
 
 
 def _int_list(text: str) -> list[int]:

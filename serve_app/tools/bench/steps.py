@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import statistics
 import sys
 import time
@@ -33,7 +34,7 @@ from serve_app.engines.base import SamplingParams
 from serve_app.engines.embedded.config import DRAFTERS
 
 from .client import sampling_for
-from .engine import IGNORE_EOS, Tally, _int_list, closed_loop, mirrored, timed_request
+from .engine import IGNORE_EOS, Tally, _int_list, closed_loop, cpu_model, mirrored, timed_request
 from .prompts import PROMPT_SETS, chat_messages
 from .stats import RequestTiming, emit
 
@@ -154,7 +155,8 @@ async def benchmark(args) -> dict:
     return {"meta": {"model": args.model, "drafter": args.drafter, "weights": args.weights,
                      "num_threads": args.num_threads, "max_tokens": args.max_tokens, "rounds": args.rounds,
                      "ceiling": ceiling, "workload": "request i: chat if i even else copy; temperature 1 if i % 3 == 2",
-                     "chooser": chooser.state()},
+                     "chooser": chooser.state(), "cpu_model": cpu_model(),
+                     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")},
             "rows": rows}
 
 
