@@ -20,7 +20,7 @@ from collections import Counter, deque
 import torch
 
 from ..base import TokenDelta
-from .adaptive import StepChooser
+from .adaptive import HEAD, StepChooser
 from .drafters import Drafter
 from .kv_cache import KVCache
 from .logits import Logprobs
@@ -166,7 +166,7 @@ class EngineCore:
         if ceiling > 0 and self.chooser is not None:
             # A sequence the lookup drafts runs no head: nothing to catch up on, no head cost.
             sources = self.drafter.sources(ids, [s.token_ids for s in seqs])
-            backlogs = [b if src == "head" else 0
+            backlogs = [b if src == HEAD else 0
                         for b, src in zip(self.drafter.backlog(ids), sources, strict=True)]
             choice = self.chooser.choose(ids, ceiling, backlogs, sources)
             num_steps = choice.num_steps
@@ -180,7 +180,7 @@ class EngineCore:
                           num_steps if seqs[r].params.spec_max_steps is None else seqs[r].params.spec_max_steps)
                       for r in rows]
             if sources is not None:  # the positions the head runs over: its rows' catch-up and drafts
-                head = [r for r in rows if sources[r] == "head"]
+                head = [r for r in rows if sources[r] == HEAD]
                 head_rows = sum(backlogs[r] for r in head) + len(head) * num_steps
             head_started = time.perf_counter()
             proposed = self.drafter.propose([ids[r] for r in rows], [seqs[r].token_ids for r in rows], num_steps)

@@ -58,7 +58,11 @@ class NgramDrafter:
         return [self._lookup(ids, k) for ids in token_ids]
 
     def _lookup(self, ids: Sequence[int], k: int) -> list[int]:
-        start = self.match(ids)
+        return self.continuation(ids, self.match(ids), k)
+
+    @staticmethod
+    def continuation(ids: Sequence[int], start: int | None, k: int) -> list[int]:
+        """Up to k tokens from ``start`` (a ``match``); none where there is no match."""
         return [] if start is None else [int(t) for t in ids[start:start + k]]
 
     def match(self, ids: Sequence[int]) -> int | None:
@@ -119,7 +123,7 @@ class HybridDrafter:
         if k <= 0 or not seq_ids:
             return [[] for _ in seq_ids]
         starts = [self._match(s, ids) for s, ids in zip(seq_ids, token_ids, strict=True)]
-        drafts = [[] if at is None else [int(t) for t in ids[at:at + k]] for ids, at in zip(token_ids, starts, strict=True)]
+        drafts = [self.lookup.continuation(ids, at, k) for ids, at in zip(token_ids, starts, strict=True)]
         rest = [b for b, at in enumerate(starts) if at is None]
         if rest:
             for b, d in zip(rest, self.head.propose([seq_ids[b] for b in rest], [token_ids[b] for b in rest], k),
