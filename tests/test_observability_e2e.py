@@ -151,6 +151,37 @@ def _latest(prom: str, expr: str, at: float, wait_s: float = 10.0) -> list[tuple
         at = time.time()
 
 
+def _range(prom: str, expr: str, start: float, wait_s: float = 15.0) -> list[tuple[dict, list[float]]]:
+    """A range query from ``start`` to the time of asking, once a second while it comes back
+    empty, for up to ``wait_s``. On a busy machine the latency histograms once came back empty
+    while the counters of the same requests had data; a worker's report that reaches Ray's
+    metrics agent late is one way that happens, and a late report is data Grafana shows."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        series = _values(prom, expr, start, time.time(), False)
+        if any(values for _, values in series) or time.monotonic() > deadline:
+            return series
+        time.sleep(1.0)
+
+
+def _scrape_report(prom: str, start: float, end: float) -> str:
+    """What Prometheus holds of the run, to tell a missing metric from failed scrapes."""
+    lines = ["", "Prometheus over the run:"]
+    for expr in (
+        "up",
+        "scrape_duration_seconds",
+        f'count_over_time(ray_specserve_output_tokens_total{{app="{APP_NAME}"}}[5m])',
+        f'count_over_time(ray_specserve_ttft_seconds_bucket{{app="{APP_NAME}",le="+Inf"}}[5m])',
+        f'ray_specserve_ttft_seconds_count{{app="{APP_NAME}"}}',
+        "count(ray_specserve_ttft_seconds_bucket)",  # attribute sets: the SDK folds those past 2000 into one
+        'count by (__name__) ({otel_metric_overflow="true"})',
+    ):
+        for metric, values in _values(prom, expr, start, end, False):
+            labels = {k: v for k, v in metric.items() if k in ("__name__", "instance", "num_steps", "WorkerId")}
+            lines.append(f"  {expr} {labels}: {values[:60]}")
+    return "\n".join(lines)
+
+
 def test_every_dashboard_query_returns_data_from_a_live_run(prometheus, serve_http, grafana_stub):
     stub_url, annotations = grafana_stub
     args = app_args(controller={"grafana": {"url": stub_url, "token_env": TEST_ADMIN_TOKEN_ENV, "timeout_s": 1.0}})
@@ -193,11 +224,11 @@ def test_every_dashboard_query_returns_data_from_a_live_run(prometheus, serve_ht
                 if instant:
                     series = _latest(prometheus, _substitute(expr), end)
                 else:
-                    series = _values(prometheus, _substitute(expr), start - 5, end, False)
+                    series = _range(prometheus, _substitute(expr), start - 5)
                 if not any(values for _, values in series):
                     empty.append(f"{where}: {expr}")
         assert checked >= 20
-        assert not empty, "queries without data:\n" + "\n".join(empty)
+        assert not empty, "queries without data:\n" + "\n".join(empty) + _scrape_report(prometheus, start - 5, time.time())
 
         # One annotation marker per switch: the switch-time series hold >= 2 distinct times.
         (expr,) = [a["expr"] for d in build_all().values() for a in d["annotations"]["list"] if "expr" in a][:1]

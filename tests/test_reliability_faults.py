@@ -149,16 +149,18 @@ def test_a_rolling_update_under_load_loses_no_request(serve_http):
     from serve_app.tools.bench.fault_load import Load, result
 
     opts = {"graceful_shutdown_timeout_s": 1.0, "graceful_shutdown_wait_loop_s": 0.2}
-    args, max_tokens, mode = app_args(num_replicas=REPLICAS), 1200, 2  # ~2 s a request here
+    # ~2 s a request alone on an AVX512 host, ~7 s on an AVX2 one, several times that beside another
+    # test's load: the clients' timeouts (which tell a hang) leave room for it
+    args, max_tokens, mode, timeout_s = app_args(num_replicas=REPLICAS), 1200, 2, 300
     app = deploy("rolling", serve_http, args, replica_options=opts)
     try:
-        t = Target(app.name, app.prefix, TEST_ADMIN_TOKEN)
+        t = Target(app.name, app.prefix, TEST_ADMIN_TOKEN, timeout_s)
         ref = t.reference(max_tokens, REPLICAS)
         t.force({"mode": "fixed", "num_steps": mode}).raise_for_status()
         t.wait_converged(mode, REPLICAS)
         before = set(t.replica_actor_names())
         started = time.monotonic()
-        with Load(t.prefix, 4, max_tokens, ref) as load:
+        with Load(t.prefix, 4, max_tokens, ref, timeout_s) as load:
             time.sleep(2.0)
             serve.run(bind_app(args, opts), name=app.name, route_prefix=f"/{app.name}")
             t.wait_converged(mode, REPLICAS, timeout_s=120)

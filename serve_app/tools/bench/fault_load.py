@@ -148,11 +148,12 @@ class Target:
     app_name: str
     prefix: str
     admin_token: str
+    timeout_s: float = 60  # one request's; a reference request of many tokens on a busy machine needs more
     http: httpx.Client = field(init=False)
 
     def __post_init__(self):
         headers = {"Authorization": f"Bearer {self.admin_token}"}
-        self.http = httpx.Client(base_url=self.prefix, headers=headers, timeout=60)
+        self.http = httpx.Client(base_url=self.prefix, headers=headers, timeout=self.timeout_s)
 
     def status(self) -> dict:
         r = self.http.get("/v1/speculation")
