@@ -21,10 +21,11 @@ def test_bench_steps_runs_every_side_and_compares_adaptive_with_the_best_fixed(t
     out = tmp_path / "steps.json"
     assert main(["steps", "--model", "tiny-random", "--drafter", "ngram", "--concurrency", "1,3",
                  "--num-steps", "0,2", "--requests", "3", "--max-tokens", "8", "--rounds", "2",
-                 "--out", str(out)]) == 0
+                 "--one-length", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    adaptive = ("adaptive", "adaptive one")
     assert [(r["concurrency"], r["side"]) for r in result["rows"]] == [
-        (c, s) for c in (1, 3) for s in ("fixed 0", "fixed 2", "adaptive")]
+        (c, s) for c in (1, 3) for s in ("fixed 0", "fixed 2", *adaptive)]
     for r in result["rows"]:
         assert r["num_requests"] == max(3, 2 * r["concurrency"]) and r["output_tokens"] > 0
         ran = {tuple(map(int, key.split(","))): n for key, (n, ms) in r["step_ms"].items() if ms > 0}
@@ -33,10 +34,14 @@ def test_bench_steps_runs_every_side_and_compares_adaptive_with_the_best_fixed(t
             assert {k for _, k in ran} <= set(range(int(r["side"].split()[1]) + 1))
     assert {k for key in next(r for r in result["rows"] if r["side"] == "fixed 0")["step_ms"]
             for k in [int(key.split(",")[1])]} == {0}
-    for r in (r for r in result["rows"] if r["side"] == "adaptive"):
-        best = max((x for x in result["rows"] if x["concurrency"] == r["concurrency"] and x["side"] != "adaptive"),
-                   key=lambda x: x["output_tokens_per_s"])
+    for r in (r for r in result["rows"] if r["side"] in adaptive):
+        point = {x["side"]: x for x in result["rows"] if x["concurrency"] == r["concurrency"]}
+        best = max((x for side, x in point.items() if side not in adaptive), key=lambda x: x["output_tokens_per_s"])
         assert r["best_fixed"] == best["side"]
         assert r["vs_best_fixed"] == round(r["output_tokens_per_s"] / best["output_tokens_per_s"], 3)
         assert sum(r["step_reasons"].values()) > 0
-    assert result["meta"]["ceiling"] == 2 and "vs best fixed" in capsys.readouterr().out
+        if r["side"] == "adaptive":
+            one = point["adaptive one"]["output_tokens_per_s"]
+            assert r["vs_one_length"] == round(r["output_tokens_per_s"] / one, 3)
+    assert result["meta"]["chooser_one_length"]["per_sequence_steps"] == 0
+    assert result["meta"]["ceiling"] == 2 and "vs one length" in capsys.readouterr().out

@@ -86,10 +86,12 @@ def test_a_hybrid_step_charges_the_head_only_its_own_rows(tiny_head):
     chooser = engine.core.chooser = StepChooser(StepPolicyConfig(probe_interval_s=1e-9, probe_every_steps=1))
     observe, backlog = chooser.observe, drafter.backlog
 
-    def spy_observe(ids, proposed, accepted, live, k, seconds, head_s=0.0, head_rows=0, sources=None):
+    def spy_observe(ids, proposed, accepted, live, k, seconds, head_s=0.0, head_rows=0, sources=None, fed=None):
         rows = range(len(ids)) if chooser.last.rows is None else chooser.last.rows  # a probe's are a few
+        if chooser.last.lengths is not None:  # lengths of their own: the rows given none draft nothing
+            rows = [r for r in rows if chooser.last.lengths[r] > 0]
         seen.append((rows, k, head_rows, list(sources or []), backlogs.pop()))
-        return observe(ids, proposed, accepted, live, k, seconds, head_s, head_rows, sources)
+        return observe(ids, proposed, accepted, live, k, seconds, head_s, head_rows, sources, fed)
 
     backlogs = []
 

@@ -158,8 +158,8 @@ def test_real_model_greedy_output_is_identical_for_every_num_steps_alone_and_bat
 
 
 def test_adaptive_steps_vary_per_step_and_per_sequence_and_change_no_greedy_output(tiny):
-    """The engine picks each step's draft length under the ceiling; requests with their own
-    caps draft fewer inside the same batch."""
+    """The engine picks each step's draft lengths under the ceiling, per sequence (a ragged
+    verify); requests with their own caps draft fewer inside the same batch."""
     from serve_app.control.steps import StepPolicyConfig
     from serve_app.engines.embedded.adaptive import StepChooser
 
@@ -167,6 +167,7 @@ def test_adaptive_steps_vary_per_step_and_per_sequence_and_change_no_greedy_outp
     caps = [{"spec_max_steps": (None, 0, 1, 3)[i % 4]} for i in range(len(TINY_PROMPTS))]
     ran: set[str] = set()
     ks: set[int] = set()
+    ragged = 0
     try:
         for seed, min_gain in enumerate((1.0, 1.02, 1.2)):
             tiny.core.chooser = chooser = StepChooser(StepPolicyConfig(min_gain=min_gain, probe_interval_s=0.01))
@@ -174,7 +175,38 @@ def test_adaptive_steps_vary_per_step_and_per_sequence_and_change_no_greedy_outp
             assert run_greedy(tiny, TINY_PROMPTS, random_schedule(seed + 9), max_tokens=40, per_prompt=caps) == reference
             ran |= set(chooser.reasons)
             ks |= {k for _, k in chooser.history}
+            ragged += chooser.per_sequence_steps
             assert not chooser.requests, "finished requests left acceptance estimates behind"
     finally:
         tiny.core.chooser = None
     assert {"gain", "gate"} <= ran and len(ks) >= 3, f"the chooser never varied the draft length: {ran}, {ks}"
+    assert ragged > 0, "no step gave its sequences lengths of their own"
+
+
+def test_a_ragged_verify_gives_the_padded_ones_results_at_every_fed_position(tiny):
+    """``Llama.forward(fed=...)`` runs the per-position work on the fed positions alone; what it
+    returns there, and the keys and values it caches there, are the padded call's, bit for bit."""
+    import torch
+
+    from serve_app.engines.embedded.kv_cache import KVCache
+
+    model, s = tiny.core.model, tiny.core.model.shape
+    taps = tiny.core.taps or (0, s.num_layers // 2)
+    torch.manual_seed(0)
+    prompts = torch.randint(3, s.vocab_size, (3, 9))
+    fed, q = [1, 4, 2], 4
+    tokens = torch.randint(3, s.vocab_size, (3, q))
+    out = {}
+    for name, rows in (("padded", None), ("ragged", fed)):
+        cache = KVCache(s.num_layers, 3, s.num_kv_heads, 32, s.head_dim, model.device, model.dtype)
+        with torch.inference_mode():
+            model.forward(prompts, torch.zeros(3, dtype=torch.long), cache)
+            logits, hidden = model.forward(tokens, torch.full((3,), 9), cache, taps=taps, fed=rows)
+        out[name] = logits, hidden, [k.clone() for k in cache.k], [v.clone() for v in cache.v]
+    for b, n in enumerate(fed):
+        assert torch.equal(out["ragged"][0][b, :n], out["padded"][0][b, :n])
+        assert torch.equal(out["ragged"][1][b, :n], out["padded"][1][b, :n])
+        assert not out["ragged"][0][b, n:].any()  # padding: zeros
+        for layer in range(s.num_layers):
+            for i in (2, 3):  # keys, values up to the last fed position
+                assert torch.equal(out["ragged"][i][layer][b, :, :9 + n], out["padded"][i][layer][b, :, :9 + n])

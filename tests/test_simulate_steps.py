@@ -65,7 +65,7 @@ def test_without_classes_a_run_is_the_same_as_one_class_accepting_as_the_curve()
 
 def test_the_vectorized_choice_is_choose_steps_replica_by_replica():
     rng = np.random.default_rng(0)
-    cfg = StepPolicyConfig()
+    cfg = StepPolicyConfig(per_sequence=False)  # the simulator picks one length a step: its curves price no ragged verify
     curve = roofline()
     sim = Simulation(curve, ClosedLoop(1, 1, 8), curve_policy(curve), OPTS, SimOptions(replicas=1, policy="two-level"))
     step_time = sim.engine_steps.step_time

@@ -7,16 +7,17 @@ what the engine knows at that moment:
 
 - the acceptance estimate of every sequence in the batch, by draft position (:class:`Acceptance`,
   decayed counts per request that start from the engine's own);
-- the cost of a step of ``batch`` sequences fed ``1 + k`` tokens each, drafted in ``k``
-  sequential draft passes (:class:`StepCost`, learned online from the engine's own steps).
+- the cost of a step of ``batch`` sequences, each fed ``1 +`` its own drafts, drafted in ``k``
+  sequential draft passes, ``k`` the longest (:class:`StepCost`, learned online from the
+  engine's own steps).
 
 A sequence whose draft at position ``j`` is accepted with probability ``a_j`` once the ones
 before it were (the first rejection ends the run) gains ``1 + a_1 + a_1·a_2 + ...`` tokens from
 a verify of ``k`` drafts; a draft head's later guesses are accepted less often than its first.
-The choice maximizes the batch's expected tokens per second of step time. The batch is
-padded to its widest row, so one
-draft length serves the whole batch; sequences whose own cap is lower (a per-request
-``max_steps``, a long prompt, the end of ``max_tokens``) draft less inside it.
+The choice maximizes the batch's expected tokens per second of step time, with a draft length
+for each sequence (:func:`best_lengths`; the verify feeds each only its own drafts) or, with
+``per_sequence`` false, one for the whole batch; sequences whose own cap is lower (a
+per-request ``max_steps``, a long prompt, the end of ``max_tokens``) draft less either way.
 
 The gate: when the estimates make every ``k > 0`` lose, speculation stops and the estimates
 stop moving. Every ``probe_interval_s`` one step drafts ``probe_steps`` tokens anyway, no
@@ -37,6 +38,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from pydantic import Field
 
 from serve_app.strict import Strict
@@ -61,6 +63,9 @@ class StepPolicyConfig(Strict):
     engine_half_life: float = Field(
         256.0, gt=0, description="the engine's estimate halves old evidence every N verifies (one per request a step)")
     initial_acceptance: float = Field(0.5, ge=0, le=1, description="the engine's estimate before any verify")
+    per_sequence: bool = Field(
+        True, description="each sequence of a step its own draft length, the verify fed each sequence only its "
+        "own drafts; False: one length for the whole batch")
 
 
 def _clip(a: float) -> float:
@@ -203,9 +208,11 @@ class StepCost:
     head_fit: tuple[float, float, float] | None = None
     """The head's coefficients as they stand (None: not solved since its last step)."""
 
-    def observe(self, batch: int, k: int, seconds: float, head_s: float = 0.0, head_rows: int = 0) -> None:
+    def observe(self, batch: int, k: int, seconds: float, head_s: float = 0.0, head_rows: int = 0,
+                fed: int | None = None) -> None:
         """A decode step's time, of which ``head_s`` the draft head's ``propose`` took over
-        ``head_rows`` positions (its catch-up and the ``k`` draft passes)."""
+        ``head_rows`` positions (its catch-up and the ``k`` draft passes); ``fed``: the positions
+        the verify fed (None: ``batch * (1 + k)``, every sequence padded to the longest draft)."""
         keep = 0.5 ** (1.0 / self.half_life)
         if k > 0 and head_s > 0 and head_rows > 0:
             self.head_sums = _add(self.head_sums, float(head_rows), float(k), head_s, keep)
@@ -213,10 +220,11 @@ class StepCost:
         seconds -= head_s
         if seconds <= 0:
             return
-        self.sums = _add(self.sums, float(batch * (1 + k)), float(k), seconds, keep)
+        fed = batch * (1 + k) if fed is None else fed
+        self.sums = _add(self.sums, float(fed), float(k), seconds, keep)
         self.n = self.sums[8]
         self.fit = None
-        model = self.model(batch, k)
+        model = self.model(batch, k, fed)
         if model > 0:
             cell = self.cells.setdefault((batch, k), [0.0, 0.0])
             keep = 0.5 ** (1.0 / self.cell_half_life)
@@ -240,10 +248,10 @@ class StepCost:
         base = mean_y / (1.0 + mean_x / self.prior_rows)
         return base, base / self.prior_rows, 0.0
 
-    def model(self, batch: int, k: int) -> float:
-        """The linear model's seconds, without the cell's correction."""
+    def model(self, batch: int, k: int, fed: int | None = None) -> float:
+        """The linear model's seconds, without the cell's correction; ``fed`` as in :meth:`observe`."""
         base, per_row, per_draft = self.coefficients()
-        return base + per_row * batch * (1 + k) + per_draft * k
+        return base + per_row * (batch * (1 + k) if fed is None else fed) + per_draft * k
 
     def head_coefficients(self) -> tuple[float, float, float]:
         """(head_base, head_per_row, head_per_pass) in seconds; zeros before any drafting step."""
@@ -262,16 +270,27 @@ class StepCost:
         head_base, head_per_row, head_per_pass = self.head_coefficients()
         return head_base + head_per_row * batch * (1 + 2 * k) + head_per_pass * k
 
-    def verify(self, batch: int, k: int) -> float:
-        """The step without the head: the model times the cell's ratio."""
+    def scale(self, batch: int, k: int) -> float:
+        """The cell's ratio of measured to modelled verify time (1 where none was seen)."""
         cell = self.cells.get((batch, k))
-        scale = 1.0 if cell is None else (cell[0] + self.cell_prior) / (cell[1] + self.cell_prior)
-        return self.model(batch, k) * scale
+        return 1.0 if cell is None else (cell[0] + self.cell_prior) / (cell[1] + self.cell_prior)
+
+    def verify(self, batch: int, k: int, fed: int | None = None) -> float:
+        """The step without the head: the model times the cell's ratio."""
+        return self.model(batch, k, fed) * self.scale(batch, k)
 
     def seconds(self, batch: int, k: int, head_batch: int | None = None) -> float:
         """A step of ``batch`` sequences at ``k`` drafts, the head drafting for ``head_batch``
         of them (None: all; the others are drafted without a model, by prompt lookup)."""
         return self.verify(batch, k) + self.head(batch if head_batch is None else head_batch, k)
+
+    def seconds_for(self, lengths: Sequence[int], heads: Sequence[bool] | None = None) -> float:
+        """A step whose sequences draft ``lengths``, each fed only its own (a ragged verify),
+        the head running the longest length's passes for the sequences of ``heads`` that draft
+        (None: every one)."""
+        k = max(lengths, default=0)
+        drafting = sum(1 for i, n in enumerate(lengths) if n > 0 and (heads is None or heads[i]))
+        return self.verify(len(lengths), k, len(lengths) + sum(lengths)) + self.head(drafting, k)
 
 
 @dataclass(slots=True)
@@ -294,6 +313,9 @@ class StepChoice:
     expected_tokens_per_s: float = 0.0
     rows: tuple[int, ...] | None = None
     """The batch positions that draft (a probe's); None: every sequence."""
+    lengths: tuple[int, ...] | None = None
+    """Each sequence's draft length, the longest ``num_steps`` (``per_sequence``); None: every
+    sequence (of ``rows``) ``num_steps``."""
 
 
 def rate(acceptances: Sequence[float | Sequence[float]], k: int, cost: StepCost, head_batch: int | None = None) -> float:
@@ -318,6 +340,109 @@ def best_group_lengths(groups: int, ceiling: int, per_group: bool,
     return top
 
 
+def best_lengths(acceptances: Sequence[float | Sequence[float]], ceiling: int, cost: StepCost,
+                 heads: Sequence[bool] | None = None, caps: Sequence[int] | None = None,
+                 ) -> tuple[float, tuple[int, ...]]:
+    """(expected tokens/s, lengths): each sequence's draft length in ``0..min(ceiling, cap)``
+    that together give a ragged step (:meth:`StepCost.seconds_for`) the most expected tokens
+    per second; all zeros where no drafting beats plain decoding.
+
+    Once the longest length ``K`` is fixed, and whether the head drafts (it does where any of
+    ``heads`` drafts), a step's time is a constant plus a cost per sequence: its fed rows, and
+    a head row where the head drafts for it. So for a rate ``r`` each sequence's best of
+    ``expected_tokens - r * cost`` is its own, and Dinkelbach's iteration (``r`` the rate of
+    the last round's best, from plain decoding's) finds the best rate over every ``K`` and
+    head case at once, in a few rounds. Each case's best keeps one sequence at ``K`` (and, with
+    the head, one of the head's sequences drafting), so its price is the step's. Ties keep
+    fewer drafts."""
+    batch = len(acceptances)
+    zeros = (0,) * batch
+    if not batch:
+        return 0.0, zeros
+    heads_ = np.array([True] * batch if heads is None else [bool(h) for h in heads], dtype=bool)
+    caps_ = np.array([ceiling] * batch if caps is None else [max(0, min(ceiling, c)) for c in caps], dtype=np.int64)
+    plain = float(batch) / cost.seconds_for(zeros, heads)
+    width = int(caps_.max())
+    if width == 0:
+        return plain, zeros
+    n = np.arange(width + 1)
+    gains = _gains(acceptances, width)
+    gains[n[None, :] > caps_[:, None]] = -np.inf
+    # The cases: (K, whether the head drafts), where each can happen.
+    cases = [(k, h) for k in range(1, width + 1) for h in (False, True) if (heads_.any() if h else not heads_.all())]
+    ks = np.array([k for k, _ in cases])
+    with_head = np.array([h for _, h in cases], dtype=bool)
+    base, per_row, per_draft = cost.coefficients()
+    head_base, head_per_row, head_per_pass = cost.head_coefficients()
+    scale = np.array([cost.scale(batch, int(k)) for k in ks])
+    fixed = (base + per_draft * ks + per_row * batch) * scale + with_head * (head_base + head_per_pass * ks)
+    extra = with_head * head_per_row * (1 + 2 * ks)  # a head sequence that drafts
+    price = (per_row * scale)[:, None, None] * n[None, None, :] + \
+        extra[:, None, None] * (heads_[None, :, None] & (n[None, None, :] > 0))  # [case, seq, length]
+    tops = np.where(with_head[:, None] | ~heads_[None, :], np.minimum(caps_[None, :], ks[:, None]), 0)
+    allowed = n[None, None, :] <= tops[:, :, None]
+    r, top = plain, (plain, zeros)
+    for _ in range(64):
+        value = np.where(allowed, gains[None] - r * price, -np.inf)
+        scores, lengths = _best_round(value, heads_, ks, with_head)
+        c = int(np.argmax(scores - r * fixed))
+        if not np.isfinite(scores[c]) or scores[c] - r * fixed[c] <= 1e-12 * r * fixed[c]:
+            break
+        chosen = lengths[c]
+        rows = np.arange(batch)
+        r = float(gains[rows, chosen].sum() / (fixed[c] + price[c, rows, chosen].sum()))
+        top = (r, tuple(int(x) for x in chosen))
+    return top
+
+
+def _gains(acceptances: Sequence[float | Sequence[float]], width: int) -> np.ndarray:
+    """``expected_tokens(a, k)`` for each acceptance and k in ``0..width``, [len, width + 1]."""
+    table = np.zeros((len(acceptances), width))
+    for i, a in enumerate(acceptances if width else ()):
+        if isinstance(a, (int, float)):
+            table[i] = a
+        elif not a:
+            table[i] = 0.0
+        else:
+            row = np.asarray(a[:width], dtype=float)
+            table[i, :len(row)] = row
+            table[i, len(row):] = row[-1]
+    runs = np.cumprod(np.clip(table, 0.0, 1.0), axis=1)
+    return np.concatenate([np.ones((len(acceptances), 1)), 1.0 + np.cumsum(runs, axis=1)], axis=1)
+
+
+def _best_round(value: np.ndarray, heads: np.ndarray, ks: np.ndarray,
+                with_head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One round of :func:`best_lengths` for every case at once: ``value`` [case, seq, length]
+    (-inf where not allowed). Per case, the lengths with the most total value among those where
+    one sequence drafts the case's ``ks`` and, ``with_head``, one of the head's sequences
+    drafts; (total value [case], lengths [case, seq]), -inf where no lengths can."""
+    case = np.arange(value.shape[0])
+    free = value.argmax(axis=2)  # the first maximum: fewer drafts on a tie
+    best = np.take_along_axis(value, free[:, :, None], axis=2)[:, :, 0]
+    at_k = value[case, :, ks] - best  # [case, seq]: what putting a sequence at K costs
+    # A head sequence at K meets both conditions (without the head: any sequence at K).
+    both = np.where(with_head[:, None] & ~heads[None, :], -np.inf, at_k)
+    i_both = both.argmax(axis=1)
+    gain_both = both[case, i_both]
+    # With the head: a sequence without the head at K, and a head sequence drafting.
+    alone = np.where(with_head[:, None] & ~heads[None, :], at_k, -np.inf)
+    i_alone = alone.argmax(axis=1)
+    drafting_value = value[:, :, 1:].max(axis=2)
+    drafting = np.where(heads[None, :], drafting_value - best, -np.inf)
+    i_head = drafting.argmax(axis=1)
+    gain_pair = alone[case, i_alone] + drafting[case, i_head]
+    pair = gain_pair > gain_both
+    lengths = free.copy()
+    one = ~pair & np.isfinite(gain_both)
+    lengths[case[one], i_both[one]] = ks[one]
+    two = pair & np.isfinite(gain_pair)
+    lengths[case[two], i_alone[two]] = ks[two]
+    lengths[case[two], i_head[two]] = 1 + value[case[two], i_head[two], 1:].argmax(axis=1)
+    total = best.sum(axis=1) + np.maximum(gain_both, gain_pair)
+    return total, lengths
+
+
 def probe_spacing(batch: int, k: int, cost: StepCost, config: StepPolicyConfig) -> int:
     """Steps between two probes of ``k`` drafts at this batch: at least ``probe_every_steps``,
     and enough that the probes' extra cost over plain steps stays within ``probe_budget``."""
@@ -336,28 +461,39 @@ def pick_probe_rows(backlogs: Sequence[int] | None, batch: int, config: StepPoli
 
 def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], cost: StepCost, gate: GateState,
                  now: float, config: StepPolicyConfig, backlogs: Sequence[int] | None = None,
-                 head_batch: int | None = None) -> StepChoice:
+                 heads: Sequence[bool] | None = None, caps: Sequence[int] | None = None) -> StepChoice:
     """This step's draft length: the ``k`` in ``0..ceiling`` with the most expected tokens per
-    second; 0 unless it beats plain decoding by ``min_gain``. While that keeps speculation
-    off, a probing step of ``probe_steps`` drafts runs every ``probe_interval_s`` and at most
-    once in :func:`probe_spacing` steps, for the sequences :func:`pick_probe_rows` picks by
-    ``backlogs`` (each sequence's positions its draft head has yet to catch up on). Each
-    acceptance is one number or one per position. ``head_batch``: how many of the sequences the
-    draft head drafts for (None: all; the rest by prompt lookup, which costs no head time).
+    second, or with ``config.per_sequence`` each sequence's own (:func:`best_lengths`, a ragged
+    verify), the longest ``k``; 0 unless it beats plain decoding by ``min_gain``. While that
+    keeps speculation off, a probing step of ``probe_steps`` drafts runs every
+    ``probe_interval_s`` and at most once in :func:`probe_spacing` steps, for the sequences
+    :func:`pick_probe_rows` picks by ``backlogs`` (each sequence's positions its draft head has
+    yet to catch up on). Each acceptance is one number or one per position. ``heads``: which
+    sequences the draft head drafts for (None: all; the rest by prompt lookup, which costs no
+    head time); ``caps``: each sequence's own most drafts (None: the ceiling).
 
-    ``cost`` is asked only ``seconds(batch, k)`` (and ``seconds(batch, k, head_batch)`` where
-    ``head_batch`` is given): any object with that method works (the simulator passes step times
-    read off an engine curve)."""
+    ``cost`` is asked ``seconds(batch, k)`` (and ``seconds(batch, k, head_batch)`` where
+    ``heads`` is given) for one length a step: any object with that method works (the
+    simulator passes step times read off an engine curve). Per sequence it must be a
+    :class:`StepCost`."""
     if ceiling <= 0 or not acceptances:
         return StepChoice(0, "ceiling", GateState(False, gate.last_probe_at, gate.steps_since_probe + 1))
+    head_batch = None if heads is None else sum(1 for h in heads if h)
     plain = rate(acceptances, 0, cost, head_batch)
-    best_k, best = 0, plain
-    for k in range(1, ceiling + 1):
-        r = rate(acceptances, k, cost, head_batch)
-        if r > best:
-            best_k, best = k, r
+    lengths = None
+    if config.per_sequence and len(acceptances) > 1:  # a lone sequence: one length either way
+        best, chosen = best_lengths(acceptances, ceiling, cost, heads, caps)
+        best_k = max(chosen)
+        lengths = chosen if len(set(chosen)) > 1 else None
+    else:
+        best_k, best = 0, plain
+        for k in range(1, ceiling + 1):
+            r = rate(acceptances, k, cost, head_batch)
+            if r > best:
+                best_k, best = k, r
     if best_k > 0 and best >= config.min_gain * plain:
-        return StepChoice(best_k, "gain", GateState(False, gate.last_probe_at, gate.steps_since_probe + 1), best)
+        return StepChoice(best_k, "gain", GateState(False, gate.last_probe_at, gate.steps_since_probe + 1), best,
+                          lengths=lengths)
     if not gate.shut:  # the gate shuts now; the first probe is due one interval later
         return StepChoice(0, "gate", GateState(True, now, 0), plain)
     k = min(ceiling, config.probe_steps)

@@ -32,6 +32,7 @@ class StepChooser:
         self.requests: dict[str, dict[str, Acceptance]] = {}  # request -> source -> its acceptance
         self.last: StepChoice | None = None
         self.reasons: dict[str, int] = {}
+        self.per_sequence_steps = 0  # decode steps whose sequences drafted lengths of their own
         self.history: deque[tuple[float, int]] = deque()  # (time, k) of recent decode steps
 
     def prior(self, depth: int, source: str = HEAD) -> list[float]:
@@ -46,29 +47,33 @@ class StepChooser:
         return prior if own is None else own.estimate(prior, self.config.prior_trials, len(prior))
 
     def choose(self, request_ids: list[str], ceiling: int, backlogs: list[int] | None = None,
-               sources: list[str] | None = None) -> StepChoice:
+               sources: list[str] | None = None, caps: list[int] | None = None) -> StepChoice:
         """This step's choice; ``backlogs``: each request's positions the draft head has yet to
         catch up on (a probe drafts for the requests with the fewest); ``sources``: what drafts
-        each request this step (the drafter's ``sources``; None: the head drafts for all)."""
+        each request this step (the drafter's ``sources``; None: the head drafts for all);
+        ``caps``: each request's own most drafts (None: the ceiling)."""
         now = self.clock()
         sources = sources or [HEAD] * len(request_ids)
         priors = {src: self.prior(ceiling, src) for src in set(sources)}
         acceptances = [self.estimate(r, priors[src], src) for r, src in zip(request_ids, sources, strict=True)]
         choice = choose_steps(ceiling, acceptances, self.cost, self.gate, now, self.config, backlogs,
-                              head_batch=sources.count(HEAD))
+                              heads=[src == HEAD for src in sources], caps=caps)
         self.gate, self.last = choice.gate, choice
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
+        self.per_sequence_steps += choice.lengths is not None
         self.history.append((now, choice.num_steps))
         while self.history and self.history[0][0] < now - WINDOW_S:
             self.history.popleft()
         return choice
 
     def observe(self, request_ids: list[str], proposed: list[int], accepted: list[int], live: list[bool], k: int,
-                seconds: float, head_s: float = 0.0, head_rows: int = 0, sources: list[str] | None = None) -> None:
+                seconds: float, head_s: float = 0.0, head_rows: int = 0, sources: list[str] | None = None,
+                fed: int | None = None) -> None:
         """After a decode step of ``k`` drafts that took ``seconds``, ``head_s`` of them in the
         drafter's ``propose``, whose head ran over ``head_rows`` positions: what each request
         proposed and had accepted, drafted from ``sources`` (None: the head for all); ``live``:
-        the request still runs (a finished one keeps no estimate)."""
+        the request still runs (a finished one keeps no estimate); ``fed``: the positions the
+        verify fed (None: every request ``1 + k``)."""
         sources = sources or [HEAD] * len(request_ids)
         for rid, p, n, running, src in zip(request_ids, proposed, accepted, live, sources, strict=True):
             if p > 0:
@@ -76,7 +81,7 @@ class StepChooser:
                 if running:
                     own = self.requests.setdefault(rid, {})
                     own.setdefault(src, Acceptance(self.config.request_half_life)).observe(p, n)
-        self.cost.observe(len(request_ids), k, seconds, head_s, head_rows)
+        self.cost.observe(len(request_ids), k, seconds, head_s, head_rows, fed)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -106,6 +111,7 @@ class StepChooser:
             "gate_shut": self.gate.shut,
             "last_reason": None if self.last is None else self.last.reason,
             "reasons": dict(self.reasons),
+            "per_sequence_steps": self.per_sequence_steps,
             "step_cost_base_s": base,
             "step_cost_per_row_s": per_row,
             "step_cost_per_draft_s": per_draft,

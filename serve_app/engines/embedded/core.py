@@ -3,10 +3,12 @@
 ``EngineCore.step()`` prefills what the scheduler admits, then runs one decode step for
 every decoding sequence. The step reads ``num_steps`` once, at its start: that is the
 switch point. With a :class:`StepChooser` (``step_policy: adaptive``) ``num_steps`` is a
-ceiling, and each decode step drafts the number under it that the chooser picks.
+ceiling, and each decode step drafts the number under it that the chooser picks, one for
+the batch or (``per_sequence``) one for each sequence.
 
 A step of 0 drafts feeds each sequence its last token; k > 0 feeds the last token plus up
-to k draft tokens and keeps the longest verified prefix. Either way a sequence's cache ends
+to k draft tokens and keeps the longest verified prefix; the verify feeds each sequence only
+its own drafts (``Llama.forward``'s ``fed``). Either way a sequence's cache ends
 the step holding exactly its tokens but the newest one, so the next step can use either
 path.
 """
@@ -162,23 +164,26 @@ class EngineCore:
         started = time.perf_counter()
         num_steps, rows = ceiling, range(len(seqs))
         ids = [s.request_id for s in seqs]
+        # Never draft past what a request may still output, nor past its own cap.
+        caps = [min(ceiling, s.params.max_tokens - s.num_output_tokens - 1,
+                    ceiling if s.params.spec_max_steps is None else s.params.spec_max_steps) for s in seqs]
         backlogs = sources = None
         if ceiling > 0 and self.chooser is not None:
             # A sequence the lookup drafts runs no head: nothing to catch up on, no head cost.
             sources = self.drafter.sources(ids, [s.token_ids for s in seqs])
             backlogs = [b if src == HEAD else 0
                         for b, src in zip(self.drafter.backlog(ids), sources, strict=True)]
-            choice = self.chooser.choose(ids, ceiling, backlogs, sources)
+            choice = self.chooser.choose(ids, ceiling, backlogs, sources, caps)
             num_steps = choice.num_steps
             rows = rows if choice.rows is None else choice.rows  # a probe drafts for a few
+            if choice.lengths is not None:  # each its own length: the ones that draft
+                caps = [min(c, n) for c, n in zip(caps, choice.lengths, strict=True)]
+                rows = [r for r in rows if caps[r] > 0]
         self.last_num_steps = num_steps
         drafts: list[list[int]] = [[] for _ in seqs]
         head_s, head_rows = 0.0, 0
-        if num_steps > 0:
-            # Never draft past what a request may still output.
-            limits = [min(num_steps, seqs[r].params.max_tokens - seqs[r].num_output_tokens - 1,
-                          num_steps if seqs[r].params.spec_max_steps is None else seqs[r].params.spec_max_steps)
-                      for r in rows]
+        if num_steps > 0 and rows:
+            limits = [min(num_steps, caps[r]) for r in rows]
             if sources is not None:  # the positions the head runs over: its rows' catch-up and drafts
                 head = [r for r in rows if sources[r] == HEAD]
                 head_rows = sum(backlogs[r] for r in head) + len(head) * num_steps
@@ -192,7 +197,9 @@ class EngineCore:
         for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
             tokens[row, :1 + len(draft)] = torch.tensor([seq.token_ids[-1], *draft])
         lens = torch.tensor([s.num_cached for s in seqs])
-        logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache, taps=self.taps)
+        fed = [1 + len(d) for d in drafts]  # each sequence is fed only its own drafts: a ragged verify
+        logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache, taps=self.taps,
+                                            fed=fed)
         raw = self._raw_rows(list(enumerate(seqs)), logits, [1 + len(d) for d in drafts])
         self._process(seqs, logits, drafts)
         greedy_argmax = logits.argmax(dim=-1).tolist()
@@ -218,8 +225,9 @@ class EngineCore:
         self.stats.record(emitted, proposed_n, accepted_n, verifies)
         if self.chooser is not None:
             live = [s.status is not Status.FINISHED for s in seqs]
-            self.chooser.observe(ids, [len(d) for d in drafts], accepted_per_seq, live,
-                                 width - 1, time.perf_counter() - started, head_s, head_rows, sources)
+            self.chooser.observe(ids, [len(d) for d in drafts], accepted_per_seq, live, width - 1,
+                                 time.perf_counter() - started, head_s, head_rows, sources,
+                                 sum(fed))
 
     def _observe(self, seqs: list[Sequence], hidden: torch.Tensor, num_valid: list[int]) -> None:
         """Hand the drafter the hidden states of the sequences still running (finished ones are released)."""

@@ -80,13 +80,21 @@ class Llama:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache, slot0: int = 0,
                 logit_index: torch.Tensor | None = None,
-                taps: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                taps: tuple[int, ...] | None = None,
+                fed: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``tokens`` [B, q] of the sequences in slots ``slot0 .. slot0+B-1`` at positions
         ``lens[b] + i``; return (logits, hidden).
 
         ``logit_index`` [B, n] picks which of the q positions get logits (all if None);
         hidden is the final-norm hidden state of every fed position, [B, q, hidden], or, with
         ``taps``, the inputs of those layers concatenated, [B, q, len(taps) * hidden].
+
+        ``fed`` (with ``logit_index`` None): row b's tokens are its first ``fed[b]``, the rest
+        padding. The per-position work (projections, MLPs, norms, the LM head) then runs on the
+        fed positions alone, packed into one matrix; attention sees the padded layout with
+        zeros at the padding (keys written past a sequence's length, which no query of it sees
+        and later steps overwrite). Logits and hidden states at padding are zeros. The matrix
+        products are row-invariant, so a fed position's results are those of the padded call.
         """
         s = self.shape
         B, q = tokens.shape
@@ -94,6 +102,8 @@ class Llama:
         L = padded_length(int(lens.max()) + q)
         cache.reserve(slot0 + B, L)
         attention = self._fused_attention if self.fused_attention else self._attention(pos, L, slot0)
+        if fed is not None and logit_index is None and sum(fed) < B * q:
+            return self._ragged(tokens, pos, cache, slot0, attention, taps, fed)
 
         x = F.embedding(tokens, self.embed)
         tapped = []
@@ -107,6 +117,30 @@ class Llama:
         hidden = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
         picked = hidden if logit_index is None else hidden[torch.arange(B)[:, None], logit_index]
         return self.lm_head_linear(picked).float(), torch.cat(tapped, dim=-1) if taps else hidden
+
+    def _ragged(self, tokens, pos, cache, slot0, attention, taps, fed):
+        """:meth:`forward` of the first ``fed[b]`` positions of each row (a ragged verify)."""
+        s = self.shape
+        B, q = tokens.shape
+        at = (torch.arange(q)[None, :] < torch.tensor(fed)[:, None]).view(-1).nonzero().squeeze(1).to(tokens.device)
+
+        def padded(rows: torch.Tensor) -> torch.Tensor:  # [N, C] at the fed positions -> [B, q, C]
+            out = rows.new_zeros(B * q, rows.shape[-1])
+            out[at] = rows
+            return out.view(B, q, -1)
+
+        x = F.embedding(tokens.reshape(-1)[at], self.embed)  # [N, hidden]
+        tapped = []
+        for i, w in enumerate(self.layers):
+            if taps and i in taps:
+                tapped.append(x)
+            qkv = padded(w["qkv"].normed(x, w["ln1"], s.rms_norm_eps))
+            x = x + w["o"](attention(qkv, pos, *cache.layer(i), slot0).reshape(B * q, -1)[at])
+            gate, up = w["gate_up"].normed(x, w["ln2"], s.rms_norm_eps).chunk(2, dim=-1)
+            x = x + w["down"](F.silu(gate) * up)
+        hidden = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
+        logits = padded(self.lm_head_linear(hidden).float())
+        return logits, padded(torch.cat(tapped, dim=-1) if taps else hidden)
 
     def _fused_attention(self, qkv, pos, k_cache, v_cache, slot0):
         """One layer's attention in qmm.c (the gguf format): RoPE, the cache write, attention."""

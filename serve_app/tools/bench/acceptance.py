@@ -16,10 +16,10 @@ for each sequence apart, each by expected tokens per second of step time (the ch
 verify of ``base + per_row * rows + per_draft * K`` and a head of ``head_base + head_per_row *
 drafting * (1 + 2 K) + head_per_pass * K``, K the longest draft, ``drafting`` the sequences that
 draft. One length a step feeds ``B (1 + K)`` rows; lengths per sequence feed
-``sum(1 + k_i)``: a ragged verify, where each sequence is fed only its own drafts (the engine's
-verify pads every sequence to the widest, so there a length per sequence saves no verify
-time). An upper bound on what lengths per sequence add: the choice knows each class's
-acceptance exactly, and the cost is the linear model without its per-cell corrections.
+``sum(1 + k_i)``: a ragged verify, where each sequence is fed only its own drafts, as the
+engine's verify does. An upper bound on what lengths per sequence add: the choice knows each
+class's acceptance exactly, and the cost is the linear model without its per-cell corrections
+(the engine's chooser, ``per_sequence``, estimates acceptance per request as it goes).
 """
 
 from __future__ import annotations

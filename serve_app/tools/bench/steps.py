@@ -12,8 +12,9 @@ The workload mixes what acceptance differs on: request i takes the chat prompts 
 even and the copy-heavy ones when odd, and every third request samples at temperature 1
 (seeded), the rest greedy. Each row gives tokens/s, latency percentiles and acceptance;
 ``vs_best_fixed`` is adaptive's tokens/s over the best fixed side's at that concurrency;
-``step_ms`` the median wall time of the side's decode steps by batch and the draft length
-chosen for the step (``"batch,k"``: [steps, median ms]; a request near its ``max_tokens``
+``vs_one_length`` (with ``--one-length``) adaptive's over ``adaptive one``'s, the same policy
+picking one draft length a step for the whole batch; ``step_ms`` the median wall time of the
+side's decode steps by batch and the longest draft length of the step (``"batch,k"``: [steps, median ms]; a request near its ``max_tokens``
 drafts fewer inside it), so a plain step under ``adaptive`` can be set beside one
 under ``fixed 0``, and the chooser's fitted cost (``meta.chooser``) beside what steps took.
 """
@@ -39,6 +40,7 @@ from .prompts import PROMPT_SETS, chat_messages
 from .stats import RequestTiming, emit
 
 HELP = "the engine's per-step draft length against every fixed one, on a mixed workload"
+ONE_LENGTH = "adaptive one"  # the side that picks one draft length a step for the whole batch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=8, help="requests per side and point: max(this, 2 x concurrency)")
     p.add_argument("--rounds", type=int, default=2, help="mirrored rounds per point (the requests split over them)")
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--one-length", action="store_true",
+                   help="also run 'adaptive one': the adaptive policy with one draft length a step for the "
+                   "whole batch (per_sequence false), beside 'adaptive', each sequence its own")
     p.add_argument("--out", help="write the results as JSON to this file")
 
 
@@ -86,10 +91,12 @@ async def benchmark(args) -> dict:
                                             num_threads=args.num_threads, max_num_seqs=max(32, *args.concurrency),
                                             max_num_steps=max(8, ceiling)))
     await engine.start()
-    chooser = StepChooser(StepPolicyConfig())
+    choosers = {"adaptive": StepChooser(StepPolicyConfig())}
+    if args.one_length:
+        choosers[ONE_LENGTH] = StepChooser(StepPolicyConfig(per_sequence=False))
     rendered = {name: [engine.apply_chat_template(chat_messages(p)) for p in prompts]
                 for name, prompts in PROMPT_SETS.items()}
-    sides = [*(f"fixed {k}" for k in args.num_steps), "adaptive"]
+    sides = [*(f"fixed {k}" for k in args.num_steps), *choosers]
     core = engine.core
     step_s: dict[tuple[str, int], defaultdict] = {}  # (side, c) -> (batch, k) -> decode step seconds
     timing = {"into": None}
@@ -104,8 +111,8 @@ async def benchmark(args) -> dict:
     core._decode = timed_decode
 
     async def point(side: str, c: int, indices: range, tally: Tally) -> None:
-        engine.core.chooser = chooser if side == "adaptive" else None
-        engine.core.num_steps = ceiling if side == "adaptive" else int(side.split()[1])
+        engine.core.chooser = choosers.get(side)
+        engine.core.num_steps = ceiling if side in choosers else int(side.split()[1])
         before = dict(engine.core.totals)
 
         async def send(i: int) -> RequestTiming:
@@ -131,40 +138,47 @@ async def benchmark(args) -> dict:
                 n = max(args.requests, 2 * c)
                 per_round = -(-n // args.rounds)
                 tallies = {side: Tally() for side in sides}
-                chosen: Counter = Counter()
+                chosen: dict[str, Counter] = {side: Counter() for side in choosers}
                 for r, side in mirrored(sides, args.rounds):
                     progress.set_postfix_str(f"c={c} {side}")
-                    reasons = dict(chooser.reasons)
+                    chooser = choosers.get(side)
+                    reasons = dict(chooser.reasons) if chooser else {}
                     await point(side, c, range(r * per_round, min(n, (r + 1) * per_round)), tallies[side])
-                    if side == "adaptive":
-                        chosen.update({k: v - reasons.get(k, 0) for k, v in chooser.reasons.items()})
-                best = max((s for s in sides if s != "adaptive"),
+                    if chooser:
+                        chosen[side].update({k: v - reasons.get(k, 0) for k, v in chooser.reasons.items()})
+                best = max((s for s in sides if s not in choosers),
                            key=lambda s: tallies[s].row()["output_tokens_per_s"] or 0)
                 for side in sides:
                     row = {"concurrency": c, "side": side} | tallies[side].row()
                     row["step_ms"] = {f"{b},{k}": [len(v), round(statistics.median(v) * 1000, 2)]
                                       for (b, k), v in sorted(step_s.get((side, c), {}).items())}
-                    if side == "adaptive":
+                    if side in choosers:
                         row["best_fixed"] = best
                         row["vs_best_fixed"] = round(row["output_tokens_per_s"]
                                                      / tallies[best].row()["output_tokens_per_s"], 3)
-                        row["step_reasons"] = dict(chosen)
+                        row["step_reasons"] = dict(chosen[side])
+                    if side == "adaptive" and ONE_LENGTH in choosers:
+                        row["vs_one_length"] = round(row["output_tokens_per_s"]
+                                                     / tallies[ONE_LENGTH].row()["output_tokens_per_s"], 3)
                     rows.append(row)
     finally:
         await engine.shutdown()
     return {"meta": {"model": args.model, "drafter": args.drafter, "weights": args.weights,
                      "num_threads": args.num_threads, "max_tokens": args.max_tokens, "rounds": args.rounds,
                      "ceiling": ceiling, "workload": "request i: chat if i even else copy; temperature 1 if i % 3 == 2",
-                     "chooser": chooser.state(), "cpu_model": cpu_model(),
+                     "chooser": choosers["adaptive"].state(),
+                     **({"chooser_one_length": choosers[ONE_LENGTH].state()} if ONE_LENGTH in choosers else {}),
+                     "cpu_model": cpu_model(),
                      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")},
             "rows": rows}
 
 
 def format_report(result: dict) -> str:
-    lines = [f"{'c':>3} {'side':>9} {'tok/s':>8} {'TPOT p50':>9} {'accept':>7}  vs best fixed"]
+    lines = [f"{'c':>3} {'side':>12} {'tok/s':>8} {'TPOT p50':>9} {'accept':>7}  vs best fixed"]
     for r in result["rows"]:
         extra = f"{r['vs_best_fixed']:.3f} ({r['best_fixed']})" if "vs_best_fixed" in r else ""
+        extra += f"  vs one length {r['vs_one_length']:.3f}" if "vs_one_length" in r else ""
         tpot = r.get("tpot_p50_ms")
-        lines.append(f"{r['concurrency']:>3} {r['side']:>9} {r['output_tokens_per_s'] or 0:>8.1f} "
+        lines.append(f"{r['concurrency']:>3} {r['side']:>12} {r['output_tokens_per_s'] or 0:>8.1f} "
                      f"{tpot if tpot is not None else float('nan'):>9.1f} {r.get('accept_rate') or 0:>7.2f}  {extra}")
     return "\n".join(lines)
