@@ -402,12 +402,18 @@ static inline __attribute__((always_inline)) void q8_0_tile(
     for (int i = 0; i < mt; i++) y[i * ldy] = acc_sum(acc[i]);
 }
 
+/* The rows past the last whole tile share one weight load too: a ragged verify feeds any count. */
 #define ROWS(CALL, ROWBYTES)                                                         \
     for (int64_t n = 0; n < N; n++) {                                                \
         const uint8_t *w = packed + n * (ROWBYTES);                                  \
         int64_t m = 0;                                                               \
         for (; m + MT <= M; m += MT) CALL(MT);                                       \
-        for (; m < M; m++) CALL(1);                                                  \
+        switch (M - m) {                                                             \
+        case 3: CALL(3); break;                                                      \
+        case 2: CALL(2); break;                                                      \
+        case 1: CALL(1); break;                                                      \
+        default: break;                                                              \
+        }                                                                            \
     }
 
 int qmm_linear_q4_1(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
