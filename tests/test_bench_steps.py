@@ -44,4 +44,5 @@ def test_bench_steps_runs_every_side_and_compares_adaptive_with_the_best_fixed(t
             one = point["adaptive one"]["output_tokens_per_s"]
             assert r["vs_one_length"] == round(r["output_tokens_per_s"] / one, 3)
     assert result["meta"]["chooser_one_length"]["per_sequence_steps"] == 0
+    assert result["meta"]["chooser"]["choose_ms"] > 0  # the chooser's own time a step
     assert result["meta"]["ceiling"] == 2 and "vs one length" in capsys.readouterr().out

@@ -33,6 +33,7 @@ class StepChooser:
         self.last: StepChoice | None = None
         self.reasons: dict[str, int] = {}
         self.per_sequence_steps = 0  # decode steps whose sequences drafted lengths of their own
+        self.choosing = [0, 0.0]  # choices made, and the seconds they took
         self.history: deque[tuple[float, int]] = deque()  # (time, k) of recent decode steps
 
     def prior(self, depth: int, source: str = HEAD) -> list[float]:
@@ -52,7 +53,7 @@ class StepChooser:
         catch up on (a probe drafts for the requests with the fewest); ``sources``: what drafts
         each request this step (the drafter's ``sources``; None: the head drafts for all);
         ``caps``: each request's own most drafts (None: the ceiling)."""
-        now = self.clock()
+        now, started = self.clock(), time.perf_counter()
         sources = sources or [HEAD] * len(request_ids)
         priors = {src: self.prior(ceiling, src) for src in set(sources)}
         acceptances = [self.estimate(r, priors[src], src) for r, src in zip(request_ids, sources, strict=True)]
@@ -61,6 +62,8 @@ class StepChooser:
         self.gate, self.last = choice.gate, choice
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         self.per_sequence_steps += choice.lengths is not None
+        self.choosing[0] += 1
+        self.choosing[1] += time.perf_counter() - started
         self.history.append((now, choice.num_steps))
         while self.history and self.history[0][0] < now - WINDOW_S:
             self.history.popleft()
@@ -112,6 +115,7 @@ class StepChooser:
             "last_reason": None if self.last is None else self.last.reason,
             "reasons": dict(self.reasons),
             "per_sequence_steps": self.per_sequence_steps,
+            "choose_ms": round(self.choosing[1] / self.choosing[0] * 1000, 3) if self.choosing[0] else None,
             "step_cost_base_s": base,
             "step_cost_per_row_s": per_row,
             "step_cost_per_draft_s": per_draft,
