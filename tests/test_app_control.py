@@ -119,10 +119,12 @@ def test_killing_the_controller_under_load_keeps_serving_and_state(fresh_tiny_ap
     app.wait_until(app.all_replicas_at(0, count=2), timeout_s=5)
     before = app.speculation()
     load.set_clients(4)
-    time.sleep(1.0)
+    app.wait_until(lambda s: load.done > 0, timeout_s=60)  # the clients' first requests are through
     done_before = load.done
     ray.kill(ray.get_actor(controller_name(app.name), namespace=NAMESPACE), no_restart=False)
-    time.sleep(2.0)
+    deadline = time.monotonic() + 30  # replicas keep serving: no wait on the controller's API here
+    while load.done <= done_before and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert load.done > done_before  # replicas kept serving
     after = app.wait_until(lambda s: s["version"] == before["version"], timeout_s=60)
     assert (after["mode"], after["num_steps"], after["policy"]["margin"]) == ("fixed", 0, 0.25)

@@ -160,7 +160,7 @@ def test_real_model_greedy_output_is_identical_for_every_num_steps_alone_and_bat
 def test_adaptive_steps_vary_per_step_and_per_sequence_and_change_no_greedy_output(tiny):
     """The engine picks each step's draft lengths under the ceiling, per sequence (a ragged
     verify); requests with their own caps draft fewer inside the same batch."""
-    from serve_app.control.steps import StepPolicyConfig
+    from serve_app.control.steps import StepCost, StepPolicyConfig
     from serve_app.engines.embedded.adaptive import StepChooser
 
     reference = run_greedy(tiny, TINY_PROMPTS, lambda s: 0, max_tokens=40, together=False)
@@ -177,6 +177,18 @@ def test_adaptive_steps_vary_per_step_and_per_sequence_and_change_no_greedy_outp
             ks |= {k for _, k in chooser.history}
             ragged += chooser.per_sequence_steps
             assert not chooser.requests, "finished requests left acceptance estimates behind"
+        # Drafting priced near free (a long memory, so this machine's steps barely move it):
+        # every sequence drafts up to its own cap, so caps of 0, 1 and 3 in one batch give
+        # lengths of their own whatever this machine's speed.
+        tiny.core.chooser = chooser = StepChooser(StepPolicyConfig(probe_interval_s=0.01))
+        chooser.cost = StepCost(half_life=1e9, cell_half_life=1e9)
+        for _ in range(200):
+            for b in range(1, 9):
+                for k in range(6):
+                    chooser.cost.observe(b, k, 0.01 + 1e-5 * b * (1 + k))
+        assert run_greedy(tiny, TINY_PROMPTS, random_schedule(7, choices=(3, 5)), max_tokens=40,
+                          per_prompt=caps) == reference
+        ragged += chooser.per_sequence_steps
     finally:
         tiny.core.chooser = None
     assert {"gain", "gate"} <= ran and len(ks) >= 3, f"the chooser never varied the draft length: {ran}, {ks}"
