@@ -222,6 +222,17 @@ def test_the_choice_is_the_argmax_of_expected_tokens_per_second(accs):
     assert choice.expected_tokens_per_s > rates[best]
 
 
+def test_the_vectorized_gains_are_expected_tokens():
+    from serve_app.control.steps import _gains
+
+    accs = [0.0, 0.37, 1.0, [], [0.9], [0.8, 0.5, 0.2], [0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5]]
+    for width in (0, 1, 3, 6):
+        table = _gains(accs, width)
+        assert table.shape == (len(accs), width + 1)
+        for i, a in enumerate(accs):
+            assert list(table[i]) == pytest.approx([expected_tokens(a, k) for k in range(width + 1)], rel=1e-12)
+
+
 def ragged_rate(accs, lengths, cost: StepCost, heads=None) -> float:
     return sum(expected_tokens(a, k) for a, k in zip(accs, lengths, strict=True)) / cost.seconds_for(lengths, heads)
 

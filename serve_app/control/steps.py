@@ -381,7 +381,7 @@ def best_lengths(acceptances: Sequence[float | Sequence[float]], ceiling: int, c
         extra[:, None, None] * (heads_[None, :, None] & (n[None, None, :] > 0))  # [case, seq, length]
     tops = np.where(with_head[:, None] | ~heads_[None, :], np.minimum(caps_[None, :], ks[:, None]), 0)
     allowed = n[None, None, :] <= tops[:, :, None]
-    r, top = plain, (plain, zeros)
+    r, top, rows = plain, (plain, zeros), np.arange(batch)
     for _ in range(64):
         value = np.where(allowed, gains[None] - r * price, -np.inf)
         scores, lengths = _best_round(value, heads_, ks, with_head)
@@ -389,7 +389,6 @@ def best_lengths(acceptances: Sequence[float | Sequence[float]], ceiling: int, c
         if not np.isfinite(scores[c]) or scores[c] - r * fixed[c] <= 1e-12 * r * fixed[c]:
             break
         chosen = lengths[c]
-        rows = np.arange(batch)
         r = float(gains[rows, chosen].sum() / (fixed[c] + price[c, rows, chosen].sum()))
         top = (r, tuple(int(x) for x in chosen))
     return top

@@ -166,7 +166,8 @@ class EngineCore:
         ids = [s.request_id for s in seqs]
         # Never draft past what a request may still output, nor past its own cap.
         caps = [min(ceiling, s.params.max_tokens - s.num_output_tokens - 1,
-                    ceiling if s.params.spec_max_steps is None else s.params.spec_max_steps) for s in seqs]
+                    ceiling if s.params.spec_max_steps is None else s.params.spec_max_steps)
+                for s in seqs] if ceiling > 0 else []
         backlogs = sources = None
         if ceiling > 0 and self.chooser is not None:
             # A sequence the lookup drafts runs no head: nothing to catch up on, no head cost.
@@ -200,7 +201,7 @@ class EngineCore:
         fed = [1 + len(d) for d in drafts]  # each sequence is fed only its own drafts: a ragged verify
         logits, hidden = self.model.forward(tokens.to(self.device), lens.to(self.device), self.cache, taps=self.taps,
                                             fed=fed)
-        raw = self._raw_rows(list(enumerate(seqs)), logits, [1 + len(d) for d in drafts])
+        raw = self._raw_rows(list(enumerate(seqs)), logits, fed)
         self._process(seqs, logits, drafts)
         greedy_argmax = logits.argmax(dim=-1).tolist()
         emitted = proposed_n = accepted_n = verifies = 0
