@@ -312,6 +312,21 @@ def test_a_probe_drafts_for_the_sequences_whose_head_has_least_to_catch_up_on():
     assert (gain.reason, gain.rows) == ("gain", None)  # drafting that pays drafts for all
 
 
+def test_no_probe_drafts_for_a_sequence_the_engine_measures_for_free():
+    """Prompt lookup's sequences are scored without drafting (shadow drafts): a probe drafts
+    for the others only, and with every sequence free no step probes."""
+    cost = fitted(0.010, 0.001)
+    cfg = StepPolicyConfig(probe_every_steps=1, probe_budget=1.0, probe_rows=2)
+    backlogs = [300, 5, 200, 5, 0, 40]
+    free = [False, True, False, False, True, False]
+    c = choose_steps(3, [0.01] * 6, cost, GateState(True, 0.0), 2.0, cfg, backlogs, free=free)
+    assert (c.num_steps, c.reason, c.rows) == (1, "probe", (3, 5))
+    assert pick_probe_rows(backlogs[:2], 2, cfg, [False, True]) == (0,)  # a small batch: the ones not free
+    assert pick_probe_rows(backlogs, 6, cfg, [True] * 6) == ()
+    c = choose_steps(3, [0.01] * 6, cost, GateState(True, 0.0), 2.0, cfg, backlogs, free=[True] * 6)
+    assert (c.num_steps, c.reason, c.gate.shut, c.gate.last_probe_at) == (0, "gate", True, 0.0)
+
+
 def test_min_gain_keeps_a_marginal_draft_off():
     cost = fitted(0.010, 0.001)
     accs = [0.12]

@@ -26,7 +26,9 @@ more often than :func:`probe_spacing` allows (the probes' extra cost within
 speculation comes back. A probe drafts for ``probe_rows`` sequences of the batch, those with
 the least draft-head backlog: a head that has not run since the gate shut must first catch up
 on every position decoded meanwhile, prompts included, and a few sequences tell the
-acceptance as well as the whole batch.
+acceptance as well as the whole batch. Sequences the engine measures for free (``free``:
+prompt lookup's drafts, scored against the tokens plain steps decode) keep their estimates
+moving while the gate is shut and are never probed.
 
 Pure: no torch, no clock, no I/O. The engine owns the state objects and the time.
 """
@@ -449,18 +451,23 @@ def probe_spacing(batch: int, k: int, cost: StepCost, config: StepPolicyConfig) 
     return max(config.probe_every_steps, math.ceil(extra / config.probe_budget - 1e-9))
 
 
-def pick_probe_rows(backlogs: Sequence[int] | None, batch: int, config: StepPolicyConfig) -> tuple[int, ...] | None:
+def pick_probe_rows(backlogs: Sequence[int] | None, batch: int, config: StepPolicyConfig,
+                    free: Sequence[bool] | None = None) -> tuple[int, ...] | None:
     """The batch positions a probe drafts for: the ``probe_rows`` with the least backlog (the
-    earliest in the batch on a tie; the first ones without backlogs); None: the whole batch."""
-    if batch <= config.probe_rows:
+    earliest in the batch on a tie; the first ones without backlogs) among those not ``free``
+    (sequences whose acceptance the engine measures without drafting); None: the whole batch;
+    (): none (every sequence is free)."""
+    candidates = [i for i in range(batch) if free is None or not free[i]]
+    if len(candidates) == batch <= config.probe_rows:
         return None
-    order = sorted(range(batch), key=lambda i: (0 if backlogs is None else backlogs[i], i))
+    order = sorted(candidates, key=lambda i: (0 if backlogs is None else backlogs[i], i))
     return tuple(sorted(order[:config.probe_rows]))
 
 
 def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], cost: StepCost, gate: GateState,
                  now: float, config: StepPolicyConfig, backlogs: Sequence[int] | None = None,
-                 heads: Sequence[bool] | None = None, caps: Sequence[int] | None = None) -> StepChoice:
+                 heads: Sequence[bool] | None = None, caps: Sequence[int] | None = None,
+                 free: Sequence[bool] | None = None) -> StepChoice:
     """This step's draft length: the ``k`` in ``0..ceiling`` with the most expected tokens per
     second, or with ``config.per_sequence`` each sequence's own (:func:`best_lengths`, a ragged
     verify), the longest ``k``; 0 unless it beats plain decoding by ``min_gain``. While that
@@ -469,7 +476,9 @@ def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], c
     :func:`pick_probe_rows` picks by ``backlogs`` (each sequence's positions its draft head has
     yet to catch up on). Each acceptance is one number or one per position. ``heads``: which
     sequences the draft head drafts for (None: all; the rest by prompt lookup, which costs no
-    head time); ``caps``: each sequence's own most drafts (None: the ceiling).
+    head time); ``caps``: each sequence's own most drafts (None: the ceiling); ``free``: the
+    sequences whose acceptance the engine measures without drafting them (lookup drafts scored
+    against the tokens plain steps decode), which no probe drafts for.
 
     ``cost`` is asked ``seconds(batch, k)`` (and ``seconds(batch, k, head_batch)`` where
     ``heads`` is given) for one length a step: any object with that method works (the
@@ -497,8 +506,8 @@ def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], c
         return StepChoice(0, "gate", GateState(True, now, 0), plain)
     k = min(ceiling, config.probe_steps)
     due = gate.last_probe_at is None or now - gate.last_probe_at >= config.probe_interval_s
-    if due and gate.steps_since_probe + 1 >= probe_spacing(len(acceptances), k, cost, config):
-        rows = pick_probe_rows(backlogs, len(acceptances), config)
+    rows = pick_probe_rows(backlogs, len(acceptances), config, free) if due else ()
+    if rows != () and gate.steps_since_probe + 1 >= probe_spacing(len(acceptances), k, cost, config):
         probed = acceptances if rows is None else [acceptances[i] for i in rows]
         gain = sum(expected_tokens(a, k) for a in probed) + len(acceptances) - len(probed)
         return StepChoice(k, "probe", GateState(True, now, 0), gain / cost.seconds(len(acceptances), k), rows)

@@ -13,7 +13,24 @@ from collections import deque
 from serve_app.control.steps import Acceptance, GateState, StepChoice, StepCost, StepPolicyConfig, choose_steps
 
 HEAD = "head"  # the source of a drafter's model's drafts (drafters.Drafter.sources)
+LOOKUP = "lookup"  # prompt lookup's: free to make, so scored against plain steps' tokens (shadows)
 WINDOW_S = 5.0  # mean_num_steps averages the decode steps of this many seconds, as load()'s other rates
+
+
+def score_shadow(draft: list[int], matched: int, tokens: list[int]) -> tuple[int, bool]:
+    """A shadow draft ``draft`` whose first ``matched`` tokens equal what the sequence decoded
+    since it was made, after the sequence decodes ``tokens`` more: (matched, resolved), resolved
+    once a token differs or every draft token matched. A verify of the draft would have accepted
+    exactly the matched tokens: under greedy decoding the target's choice is the same token, and
+    under sampling a one-token draft (prompt lookup's) is accepted with the probability the
+    target gives it, the probability that sampling draws it."""
+    for t in tokens:
+        if draft[matched] != t:
+            return matched, True
+        matched += 1
+        if matched == len(draft):
+            return matched, True
+    return matched, False
 
 
 def make_chooser(step_policy: str, config: StepPolicyConfig) -> StepChooser | None:
@@ -35,6 +52,10 @@ class StepChooser:
         self.per_sequence_steps = 0  # decode steps whose sequences drafted lengths of their own
         self.choosing = [0, 0.0]  # choices made, and the seconds they took
         self.history: deque[tuple[float, int]] = deque()  # (time, k) of recent decode steps
+        # request -> (lookup draft, tokens of it matched so far): drafts made on steps that did
+        # not draft for the request, scored against what it decodes instead (score_shadow)
+        self.shadows: dict[str, tuple[list[int], int]] = {}
+        self.shadow_trials = 0  # shadow drafts scored
 
     def prior(self, depth: int, source: str = HEAD) -> list[float]:
         """The engine's acceptance at draft positions 1..depth, of the drafts from ``source``."""
@@ -52,13 +73,15 @@ class StepChooser:
         """This step's choice; ``backlogs``: each request's positions the draft head has yet to
         catch up on (a probe drafts for the requests with the fewest); ``sources``: what drafts
         each request this step (the drafter's ``sources``; None: the head drafts for all);
-        ``caps``: each request's own most drafts (None: the ceiling)."""
+        ``caps``: each request's own most drafts (None: the ceiling). Prompt lookup's requests
+        are scored by shadow drafts (:meth:`wants_shadow`) and never probed."""
         now, started = self.clock(), time.perf_counter()
         sources = sources or [HEAD] * len(request_ids)
         priors = {src: self.prior(ceiling, src) for src in set(sources)}
         acceptances = [self.estimate(r, priors[src], src) for r, src in zip(request_ids, sources, strict=True)]
         choice = choose_steps(ceiling, acceptances, self.cost, self.gate, now, self.config, backlogs,
-                              heads=[src == HEAD for src in sources], caps=caps)
+                              heads=[src == HEAD for src in sources], caps=caps,
+                              free=[src == LOOKUP for src in sources])
         self.gate, self.last = choice.gate, choice
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         self.per_sequence_steps += choice.lengths is not None
@@ -80,14 +103,43 @@ class StepChooser:
         sources = sources or [HEAD] * len(request_ids)
         for rid, p, n, running, src in zip(request_ids, proposed, accepted, live, sources, strict=True):
             if p > 0:
-                self.engines.setdefault(src, Acceptance(self.config.engine_half_life)).observe(p, n)
-                if running:
-                    own = self.requests.setdefault(rid, {})
-                    own.setdefault(src, Acceptance(self.config.request_half_life)).observe(p, n)
+                self._learn(rid, src, p, n, running)
         self.cost.observe(len(request_ids), k, seconds, head_s, head_rows, fed)
+
+    def _learn(self, request_id: str, source: str, proposed: int, accepted: int, running: bool = True) -> None:
+        self.engines.setdefault(source, Acceptance(self.config.engine_half_life)).observe(proposed, accepted)
+        if running:
+            own = self.requests.setdefault(request_id, {})
+            own.setdefault(source, Acceptance(self.config.request_half_life)).observe(proposed, accepted)
+
+    def wants_shadow(self, request_id: str) -> bool:
+        """Whether the request has no shadow draft being scored: a step that does not draft
+        for it may start one (:meth:`shadow`)."""
+        return request_id not in self.shadows
+
+    def shadow(self, request_id: str, draft: list[int]) -> None:
+        """Prompt lookup's draft for a request this step does not draft for: scored, as a verify
+        of it would be, against the tokens the request decodes next (:meth:`decoded`)."""
+        if draft and request_id not in self.shadows:
+            self.shadows[request_id] = (draft, 0)
+
+    def decoded(self, request_id: str, tokens: list[int]) -> None:
+        """The tokens a step appended to a request: its shadow draft, if any, is scored on them,
+        and once resolved counts as a verify of prompt lookup's drafts."""
+        pending = self.shadows.get(request_id)
+        if pending is None or not tokens:
+            return
+        matched, resolved = score_shadow(pending[0], pending[1], tokens)
+        if resolved:
+            del self.shadows[request_id]
+            self.shadow_trials += 1
+            self._learn(request_id, LOOKUP, len(pending[0]), matched)
+        else:
+            self.shadows[request_id] = (pending[0], matched)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.shadows.pop(request_id, None)
 
     def main_source(self) -> str:
         """The source with the most drafts verified lately (the head before any)."""
@@ -115,6 +167,7 @@ class StepChooser:
             "last_reason": None if self.last is None else self.last.reason,
             "reasons": dict(self.reasons),
             "per_sequence_steps": self.per_sequence_steps,
+            "shadow_trials": self.shadow_trials,
             "choose_ms": round(self.choosing[1] / self.choosing[0] * 1000, 3) if self.choosing[0] else None,
             "step_cost_base_s": base,
             "step_cost_per_row_s": per_row,

@@ -22,7 +22,7 @@ from collections import Counter, deque
 import torch
 
 from ..base import TokenDelta
-from .adaptive import HEAD, StepChooser
+from .adaptive import HEAD, LOOKUP, StepChooser
 from .drafters import Drafter
 from .kv_cache import KVCache
 from .logits import Logprobs
@@ -175,7 +175,7 @@ class EngineCore:
             backlogs = [b if src == HEAD else 0
                         for b, src in zip(self.drafter.backlog(ids), sources, strict=True)]
             choice = self.chooser.choose(ids, ceiling, backlogs, sources, caps)
-            num_steps = choice.num_steps
+            own_caps, num_steps = caps, choice.num_steps
             rows = rows if choice.rows is None else choice.rows  # a probe drafts for a few
             if choice.lengths is not None:  # each its own length: the ones that draft
                 caps = [min(c, n) for c, n in zip(caps, choice.lengths, strict=True)]
@@ -193,6 +193,8 @@ class EngineCore:
             head_s = time.perf_counter() - head_started
             for r, d, lim in zip(rows, proposed, limits, strict=True):
                 drafts[r] = d[:max(lim, 0)]
+        if sources is not None:
+            self._shadow(seqs, sources, own_caps, drafts, ceiling)
         width = 1 + max(len(d) for d in drafts)
         tokens = torch.zeros((len(seqs), width), dtype=torch.long)
         for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
@@ -214,6 +216,8 @@ class EngineCore:
                 out, n = rejection_sample(draft, None, probs, seq.generator)
             seq.num_cached += 1 + n
             accepted_per_seq.append(n)
+            if self.chooser is not None:
+                self.chooser.decoded(seq.request_id, out)
             if draft:  # counted before the output goes out, so a finished client sees its step
                 proposed_n, accepted_n, verifies = proposed_n + len(draft), accepted_n + n, verifies + 1
                 self.totals["proposed"] += len(draft)
@@ -229,6 +233,19 @@ class EngineCore:
             self.chooser.observe(ids, [len(d) for d in drafts], accepted_per_seq, live, width - 1,
                                  time.perf_counter() - started, head_s, head_rows, sources,
                                  sum(fed))
+
+    def _shadow(self, seqs: list[Sequence], sources: list[str], caps: list[int], drafts: list[list[int]],
+                ceiling: int) -> None:
+        """Prompt lookup's sequences this step does not draft for get a shadow draft, scored
+        against the tokens they decode instead: their acceptance estimates keep moving at no
+        cost while the gate is shut or their own length is 0."""
+        rows = [r for r, seq in enumerate(seqs) if sources[r] == LOOKUP and not drafts[r] and caps[r] > 0
+                and self.chooser.wants_shadow(seq.request_id)]
+        if rows:
+            made = self.drafter.lookup_drafts([seqs[r].request_id for r in rows], [seqs[r].token_ids for r in rows],
+                                              ceiling)
+            for r, d in zip(rows, made, strict=True):
+                self.chooser.shadow(seqs[r].request_id, d[:caps[r]])
 
     def _observe(self, seqs: list[Sequence], hidden: torch.Tensor, num_valid: list[int]) -> None:
         """Hand the drafter the hidden states of the sequences still running (finished ones are released)."""

@@ -40,6 +40,11 @@ class Drafter(Protocol):
         no model, nothing to catch up on). Acceptance differs by source, so the adaptive
         chooser keeps an estimate per source, and prices the head for the head's rows only."""
 
+    def lookup_drafts(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        """What ``propose`` would draft now for sequences whose source is ``"lookup"``: no model
+        runs and nothing is counted as drafted. The adaptive chooser scores such drafts against
+        the tokens steps that do not draft decode instead (shadow drafts)."""
+
 
 class NgramDrafter:
     """Prompt lookup: find the sequence's last n tokens earlier in it, propose what followed.
@@ -88,6 +93,9 @@ class NgramDrafter:
     def sources(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[str]:
         return ["lookup"] * len(seq_ids)
 
+    def lookup_drafts(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        return self.propose(seq_ids, token_ids, k)
+
 
 class HybridDrafter:
     """Prompt lookup where it has a long match, the EAGLE-style head elsewhere.
@@ -132,6 +140,9 @@ class HybridDrafter:
         self.counts["head"] += len(rest)
         self.counts["lookup"] += len(seq_ids) - len(rest)
         return drafts
+
+    def lookup_drafts(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        return [self.lookup.continuation(ids, self._match(s, ids), k) for s, ids in zip(seq_ids, token_ids, strict=True)]
 
     def observe(self, seq_ids: Sequence[str], hidden: torch.Tensor, num_valid: Sequence[int]) -> None:
         self.head.observe(seq_ids, hidden, num_valid)

@@ -202,6 +202,9 @@ class EagleDrafter:
     def sources(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[str]:
         return ["head"] * len(seq_ids)
 
+    def lookup_drafts(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        return [[] for _ in seq_ids]  # no sequence is the lookup's
+
     def release(self, seq_id: str) -> None:
         if seq_id in self.slot:
             self.free.append(self.slot.pop(seq_id))
