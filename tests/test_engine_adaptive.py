@@ -166,7 +166,7 @@ def test_a_shadow_draft_counts_what_a_verify_of_it_would_have_accepted():
     assert score_shadow([5, 6, 7], 1, [6, 9, 7]) == (2, True)  # the third differs
     assert score_shadow([5, 6, 7], 0, [4]) == (0, True)
     assert score_shadow([5, 6], 0, [5, 6, 8]) == (2, True)  # all matched
-    chooser = StepChooser(StepPolicyConfig())
+    chooser = StepChooser(StepPolicyConfig(request_half_life=1e9, engine_half_life=1e9))  # counts, not decayed
     assert chooser.wants_shadow("a")
     chooser.shadow("a", [])  # no match, no draft: nothing to score
     assert chooser.wants_shadow("a")
@@ -179,8 +179,18 @@ def test_a_shadow_draft_counts_what_a_verify_of_it_would_have_accepted():
     chooser.decoded("a", [0])
     assert chooser.shadow_trials == 1 and chooser.wants_shadow("a")
     own = chooser.requests["a"]["lookup"]
-    assert (own.trials, own.accepted) == ([1.0, 1.0, 1.0], [1.0, 1.0, 0.0])  # tried 1..3, accepted 1..2
-    assert chooser.engines["lookup"].trials == [1.0, 1.0, 1.0]
-    chooser.shadow("a", [3])
-    chooser.release("a")
+    assert (own.trials, own.accepted) == (pytest.approx([1, 1, 1]), pytest.approx([1, 1, 0]))  # tried 1..3, accepted 1..2
+    assert chooser.engines["lookup"].trials == pytest.approx([1, 1, 1])
+    chooser.shadow("a", [3, 4, 5])
+    chooser.decoded("a", [3, 4])
+    chooser.cut_short("a")  # "a" drafts for real before the shadow resolved: 2 tried, 2 accepted
+    assert chooser.shadow_trials == 2 and chooser.wants_shadow("a")
+    assert (own.trials, own.accepted) == (pytest.approx([2, 2, 1]), pytest.approx([2, 2, 0]))
+    chooser.shadow("a", [7, 8])
+    chooser.cut_short("a")  # nothing matched yet: no evidence
+    assert chooser.shadow_trials == 2
+    chooser.shadow("a", [7, 8])
+    chooser.decoded("a", [7])
+    chooser.release("a")  # a request that ends mid-match still tells the engine's estimate
     assert chooser.wants_shadow("a") and "a" not in chooser.requests
+    assert chooser.shadow_trials == 3 and chooser.engines["lookup"].trials == pytest.approx([3, 2, 1])

@@ -137,9 +137,19 @@ class StepChooser:
         else:
             self.shadows[request_id] = (pending[0], matched)
 
+    def cut_short(self, request_id: str, running: bool = True) -> None:
+        """End the request's shadow draft before it resolved (the request drafts for real now,
+        or ended): the tokens it matched so far count as tried and accepted, and the positions
+        after them as untried. Dropping it instead would drop exactly the shadows still
+        matching."""
+        pending = self.shadows.pop(request_id, None)
+        if pending is not None and pending[1] > 0:
+            self.shadow_trials += 1
+            self._learn(request_id, LOOKUP, pending[1], pending[1], running)
+
     def release(self, request_id: str) -> None:
+        self.cut_short(request_id, running=False)
         self.requests.pop(request_id, None)
-        self.shadows.pop(request_id, None)
 
     def main_source(self) -> str:
         """The source with the most drafts verified lately (the head before any)."""

@@ -169,13 +169,14 @@ class EngineCore:
                     ceiling if s.params.spec_max_steps is None else s.params.spec_max_steps)
                 for s in seqs] if ceiling > 0 else []
         backlogs = sources = None
+        own_caps = caps
         if ceiling > 0 and self.chooser is not None:
             # A sequence the lookup drafts runs no head: nothing to catch up on, no head cost.
             sources = self.drafter.sources(ids, [s.token_ids for s in seqs])
             backlogs = [b if src == HEAD else 0
                         for b, src in zip(self.drafter.backlog(ids), sources, strict=True)]
             choice = self.chooser.choose(ids, ceiling, backlogs, sources, caps)
-            own_caps, num_steps = caps, choice.num_steps
+            num_steps = choice.num_steps
             rows = rows if choice.rows is None else choice.rows  # a probe drafts for a few
             if choice.lengths is not None:  # each its own length: the ones that draft
                 caps = [min(c, n) for c, n in zip(caps, choice.lengths, strict=True)]
@@ -194,7 +195,7 @@ class EngineCore:
             for r, d, lim in zip(rows, proposed, limits, strict=True):
                 drafts[r] = d[:max(lim, 0)]
         if sources is not None:
-            self._shadow(seqs, sources, own_caps, drafts, ceiling)
+            self._shadow(seqs, sources, own_caps, drafts, ceiling, set(rows) if num_steps > 0 else set())
         width = 1 + max(len(d) for d in drafts)
         tokens = torch.zeros((len(seqs), width), dtype=torch.long)
         for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
@@ -235,12 +236,17 @@ class EngineCore:
                                  sum(fed))
 
     def _shadow(self, seqs: list[Sequence], sources: list[str], caps: list[int], drafts: list[list[int]],
-                ceiling: int) -> None:
+                ceiling: int, proposed: set[int]) -> None:
         """Prompt lookup's sequences this step does not draft for get a shadow draft, scored
         against the tokens they decode instead: their acceptance estimates keep moving at no
-        cost while the gate is shut or their own length is 0."""
+        cost while the gate is shut or their own length is 0. A sequence that drafts now ends
+        its shadow draft (the verify measures it); one the drafter was asked for and found no
+        match gets none."""
+        for r, draft in enumerate(drafts):
+            if draft:
+                self.chooser.cut_short(seqs[r].request_id)
         rows = [r for r, seq in enumerate(seqs) if sources[r] == LOOKUP and not drafts[r] and caps[r] > 0
-                and self.chooser.wants_shadow(seq.request_id)]
+                and r not in proposed and self.chooser.wants_shadow(seq.request_id)]
         if rows:
             made = self.drafter.lookup_drafts([seqs[r].request_id for r in rows], [seqs[r].token_ids for r in rows],
                                               ceiling)
