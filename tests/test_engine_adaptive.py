@@ -46,7 +46,8 @@ async def _gate_recovers():
             shut_seen = shut_seen or chooser.gate.shut
         await asyncio.gather(*tasks)
         assert shut_seen, f"the gate never shut: {chooser.state()}"
-        assert chooser.prior(1, "lookup")[0] < 0.3  # the ngram drafter's drafts are the lookup's
+        after_junk = chooser.prior(1, "lookup")[0]
+        assert after_junk < 0.3  # the ngram drafter's drafts are the lookup's
         probes = chooser.reasons.get("probe", 0)
 
         # Copy prompts accept most drafts: speculation is back, and stays, within 5 s of their
@@ -69,7 +70,9 @@ async def _gate_recovers():
         tasks += [asyncio.create_task(run(12 + i, p, 0.0, 120)) for i, p in enumerate(PROMPT_SETS["copy"][2:4])]
         await asyncio.gather(*tasks)
         assert back_after is not None and back_after < 5.0, (back_after, seen, chooser.state())
-        assert chooser.prior(1, "lookup")[0] > 0.5, chooser.state()  # the engine's estimate followed the new traffic
+        # The engine's estimate followed the new traffic (the copy prompts' first drafts accept
+        # about 0.5 to 0.6 of the time here).
+        assert chooser.prior(1, "lookup")[0] > max(0.4, after_junk + 0.25), (after_junk, chooser.state())
         assert chooser.reasons["gain"] > 0 and chooser.reasons.get("probe", 0) >= probes
         # Prompt lookup's drafts are scored on the steps that do not draft them (shadow drafts):
         # the estimates moved with the gate shut, and no step probed.
