@@ -54,12 +54,12 @@ def test_the_admin_token_is_taken_from_the_authorization_header_only(guard_app):
 
 def test_operator_puts_are_rate_limited_with_retry_after(serve_http):
     # Its own app with a bucket of 5 that refills at 1 a second: 30 PUTs at once get 429s however
-    # slowly a busy host lets them through (the guard app's 40 at 20/s let 80 pass when they took
-    # more than 2 s to arrive).
+    # slowly a busy host lets them through (the guard app's bucket, 40 at 20/s, lets 80 pass when
+    # they take more than 2 s to arrive).
     app = deploy("throttled", serve_http, app_args(num_replicas=1, limits={"admin_puts_per_s": 1, "admin_burst": 5}))
     guess = {"Authorization": "Bearer guess"}
 
-    async def burst(n: int):
+    async def puts(n: int):
         async with httpx.AsyncClient(base_url=app.prefix, timeout=30) as http:
             return await asyncio.gather(
                 *(
@@ -71,7 +71,7 @@ def test_operator_puts_are_rate_limited_with_retry_after(serve_http):
     try:
         assert app.put({"mode": "auto"}).status_code == 200
         assert app.put({"mode": "auto"}, headers=guess).status_code == 403
-        answers = asyncio.run(burst(30))
+        answers = asyncio.run(puts(30))
         ok, guesses = answers[1::2], answers[0::2]
         assert 429 in {r.status_code for r in ok} <= {200, 429}, [r.status_code for r in ok]
         # Guessing is throttled too: the limit is checked before the token.
