@@ -3,6 +3,7 @@
 import asyncio
 
 import grpc
+import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from serve_app.engines.base import EngineDeadError
@@ -37,3 +38,60 @@ def test_a_stream_cut_by_a_cancelled_call_says_the_replica_failed():
     assert "cut after 7 tokens: the replica serving it failed" in event["error"]["message"]
     event = stream_error("cmpl-2", rpc_error(grpc.StatusCode.INTERNAL), tokens=7)
     assert "an internal error (AioRpcError)" in event["error"]["message"]
+
+
+def test_a_call_whose_replica_is_lost_is_sent_again_and_other_errors_pass_through():
+    from serve_app.serving.errors import ReplicasUnavailableError, retrying
+
+    def calls(*outcomes):
+        """A start function that raises or returns each outcome in turn, and the attempts it saw."""
+        seen = []
+
+        async def start():
+            seen.append(len(seen) + 1)
+            out = outcomes[len(seen) - 1]
+            if isinstance(out, BaseException):
+                raise out
+            return out
+
+        return start, seen
+
+    # e.g. the model-name lookup of a new ingress that reached an old replica as a rolling update stopped it
+    start, seen = calls(ActorDiedError(), rpc_error(grpc.StatusCode.CANCELLED), "model")
+    assert asyncio.run(retrying(start, 2, "the model name")) == ("model", 3)
+    start, seen = calls(RuntimeError("a bug"), "never")
+    with pytest.raises(RuntimeError, match="a bug"):
+        asyncio.run(retrying(start, 2, "request r"))
+    assert seen == [1]
+    start, seen = calls(*[ActorDiedError()] * 3)
+    with pytest.raises(ReplicasUnavailableError, match="request r: the replicas serving it failed 3 times"):
+        asyncio.run(retrying(start, 2, "request r"))
+    assert seen == [1, 2, 3]
+
+
+def test_an_unexpected_failure_is_a_500_error_object_naming_it():
+    import httpx
+    from fastapi import FastAPI
+
+    from serve_app.serving import errors
+
+    app = FastAPI()
+    errors.install(app)
+
+    @app.get("/boom")
+    async def boom():
+        raise KeyError("model")
+
+    async def get():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            return await client.get("/boom")
+
+    r = asyncio.run(get())
+    assert r.status_code == 500
+    assert r.json()["error"] == {
+        "message": "an internal error (KeyError); the request may be retried",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }

@@ -53,6 +53,20 @@ class ReplicasUnavailableError(RuntimeError):
     """Every replica a request was sent to failed before it produced anything."""
 
 
+async def retrying(start, retries: int, what: str):
+    """``await start()``, again (up to ``retries`` more times) while the replica it went to is
+    lost (:func:`replica_lost`); other errors pass through. Returns (result, attempts); raises
+    ReplicasUnavailableError when every attempt lost its replica. ``what`` names the call in logs."""
+    for attempt in range(1, retries + 2):
+        try:
+            return await start(), attempt
+        except Exception as e:
+            if not replica_lost(e):
+                raise
+            logger.warning("%s: replica lost (%s), attempt %d", what, type(e).__name__, attempt)
+    raise ReplicasUnavailableError(f"{what}: the replicas serving it failed {retries + 1} times; retry later")
+
+
 def engine_error(e: Exception) -> APIError | None:
     """The APIError for an engine error (as raised locally or re-raised by Ray), else None."""
     if isinstance(e, InvalidRequestError):
@@ -111,6 +125,12 @@ async def api_error(_: Request, e: APIError) -> JSONResponse:
     return e.response()
 
 
+async def unexpected_error(_: Request, e: Exception) -> JSONResponse:
+    """A failure nothing above answers, as a 500 error object naming it (Starlette logs it)."""
+    message = f"an internal error ({type(e).__name__}); the request may be retried"
+    return APIError(500, message, "server_error").response()
+
+
 async def request_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
     return validation_error(e.errors()[0]).response()
 
@@ -124,12 +144,13 @@ async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    """Answer every error of ``app`` as an OpenAI error object, and refuse bodies over the
-    limit (:func:`set_body_limit`) before they are parsed."""
+    """Answer every error of ``app`` as an OpenAI error object (an unexpected one as a 500
+    naming its type), and refuse bodies over the limit (:func:`set_body_limit`) before they are parsed."""
     app.middleware("http")(limit_body_size)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, request_validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected_error)
 
 
 def validation_error(err: dict) -> APIError:

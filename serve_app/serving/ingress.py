@@ -24,7 +24,6 @@ from typing import Any
 from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.control import ControllerOptions, PolicyConfig, get_or_create_controller
@@ -32,7 +31,7 @@ from serve_app.engines.base import GenerateRequest, InvalidRequestError, Samplin
 from serve_app.serving import admin, errors, sse
 from serve_app.serving import openai_protocol as oai
 from serve_app.serving.config import Limits
-from serve_app.serving.errors import REJECTED, APIError, ReplicasUnavailableError, engine_error, replica_lost
+from serve_app.serving.errors import REJECTED, APIError, ReplicasUnavailableError, engine_error
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +73,9 @@ class OpenAIIngress:
         self._controller = get_or_create_controller(ctx.app_name, replica_deployment, policy, controller)
 
     async def _model_name(self) -> str:
-        if self._model is None:
-            try:
-                self._model = (await self._replica.info.remote())["model"]
-            except BackPressureError as e:
-                raise engine_error(e) from None
+        if self._model is None:  # asked of a replica, which may be stopping (a rolling update)
+            info, _ = await self._with_retries(self._replica.info.remote, "the model name")
+            self._model = info["model"]
         return self._model
 
     async def _check_model(self, requested: str | None) -> str:
@@ -187,23 +184,13 @@ class OpenAIIngress:
                 raise engine_error(e) from None
         return params
 
-    async def _retrying(self, start, request: GenerateRequest):
+    async def _retrying(self, start, request: GenerateRequest | str):
         """``await start()``, again on another replica if the one it went to died (nothing was
         sent to the caller yet). Returns (result, attempts); engine errors pass through."""
-        for attempt in range(1, self._limits.retries + 2):
-            try:
-                return await start(), attempt
-            except Exception as e:
-                if not replica_lost(e):
-                    raise
-                logger.warning(
-                    "request %s: replica lost (%s), attempt %d", request.request_id, type(e).__name__, attempt
-                )
-        raise ReplicasUnavailableError(
-            f"request {request.request_id}: the replicas serving it failed {self._limits.retries + 1} times; retry later"
-        )
+        what = request if isinstance(request, str) else f"request {request.request_id}"
+        return await errors.retrying(start, self._limits.retries, what)
 
-    async def _with_retries(self, start, request: GenerateRequest):
+    async def _with_retries(self, start, request: GenerateRequest | str):
         """:meth:`_retrying` with its failures as HTTP errors."""
         try:
             return await self._retrying(start, request)
