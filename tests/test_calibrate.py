@@ -101,11 +101,14 @@ def test_calibrate_refuses_a_negative_stagger(capsys):
     assert exc.value.code == 2 and "--stagger-s must be >= 0" in capsys.readouterr().err
 
 
-def test_local_config_takes_its_ladder_from_the_calibrated_policy_file():
+def test_local_config_takes_its_ladder_from_the_policy_file_calibrated_for_this_hosts_cpu_kernel():
+    from serve_app.engines.embedded.qmm import kernel_path
+
     raw = yaml.safe_load((CONFIGS / "local.yaml").read_text())["applications"][0]["args"]
-    assert raw["policy_file"] == "configs/policies/local.yaml"
+    assert raw["policy_file"] == {"avx2": "configs/policies/local-avx2.yaml", "default": "configs/policies/local.yaml"}
     assert set(raw.get("policy", {})) <= {"fall_dwell_s", "rise_min_interval_s"}  # the ladder and its margin come from the file
-    from_file = yaml.safe_load((CONFIGS / "policies" / "local.yaml").read_text())
+    path = raw["policy_file"].get(kernel_path(), raw["policy_file"]["default"])
+    from_file = yaml.safe_load((CONFIGS.parent / path).read_text())
     expected = PolicyConfig.model_validate(from_file | raw.get("policy", {}))
     assert AppArgs.model_validate(raw).policy == expected and expected.tiers == PolicyConfig.model_validate(from_file).tiers
 
@@ -119,13 +122,45 @@ def test_policy_fields_in_the_config_override_the_policy_file(tmp_path, monkeypa
         AppArgs.model_validate({"policy_file": "nowhere.yaml"})
 
 
-def test_the_shipped_ladder_is_what_its_stored_measurements_give(tmp_path):
-    """configs/policies/local.yaml comes from bench/results/calibration.json through --from-results."""
+def test_a_policy_file_per_cpu_kernel_reads_the_one_for_this_hosts_kernel(tmp_path, monkeypatch):
+    from serve_app.engines.embedded.qmm import kernel_path
+    from serve_app.serving.config import CPU_KERNELS
+
+    monkeypatch.chdir(tmp_path)
+    for steps, name in ((3, "mine.yaml"), (2, "other.yaml"), (1, "default.yaml")):
+        (tmp_path / name).write_text(f"tiers: [{{below: 3, num_steps: {steps}}}, {{num_steps: 0}}]\n")
+    mine = kernel_path()
+    other = next(k for k in CPU_KERNELS if k != mine)
+
+    def first_steps(spec: dict) -> int:
+        return AppArgs.model_validate({"policy_file": spec}).policy.tiers[0].num_steps
+
+    assert first_steps({mine: "mine.yaml", other: "other.yaml", "default": "default.yaml"}) == 3
+    assert first_steps({other: "other.yaml", "default": "default.yaml"}) == 1
+    with pytest.raises(ValidationError, match=f"policy_file: none for this host's CPU kernel {mine} and no default"):
+        AppArgs.model_validate({"policy_file": {other: "other.yaml"}})
+    with pytest.raises(ValidationError, match="policy_file: unknown CPU kernel 'avx9'"):
+        AppArgs.model_validate({"policy_file": {"avx9": "mine.yaml"}})
+
+
+def test_by_default_calibrate_writes_the_policy_file_the_config_reads_on_this_host():
+    from serve_app.engines.embedded.qmm import kernel_path
+    from serve_app.tools.calibrate import default_out, parser
+
+    mine = "configs/policies/local-avx2.yaml" if kernel_path() == "avx2" else "configs/policies/local.yaml"
+    assert default_out(parser().parse_args(["--config", str(CONFIGS / "local.yaml")])) == mine
+    assert default_out(parser().parse_args(["--url", "http://127.0.0.1:1"])) == "configs/policies/local.yaml"
+
+
+@pytest.mark.parametrize(("results_file", "policy_file"), [("calibration.json", "local.yaml"),
+                                                           ("calibration-avx2.json", "local-avx2.yaml")])
+def test_the_shipped_ladder_is_what_its_stored_measurements_give(tmp_path, results_file, policy_file):
+    """configs/policies/local*.yaml come from bench/results/calibration*.json through --from-results."""
     out, results = tmp_path / "p.yaml", tmp_path / "c.json"
     root = CONFIGS.parent
-    assert main(["--from-results", str(root / "bench/results/calibration.json"), "--out", str(out),
+    assert main(["--from-results", str(root / "bench/results" / results_file), "--out", str(out),
                  "--results", str(results)]) == 0
-    assert yaml.safe_load(out.read_text()) == yaml.safe_load((CONFIGS / "policies" / "local.yaml").read_text())
+    assert yaml.safe_load(out.read_text()) == yaml.safe_load((CONFIGS / "policies" / policy_file).read_text())
     header = out.read_text().splitlines()[1]
     assert header.startswith("# from the measurements of `python -m serve_app.tools.calibrate --config")
     stored = json.loads(results.read_text())

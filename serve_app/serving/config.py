@@ -190,8 +190,11 @@ class AppArgs(Strict):
         description="Ray actor options of the ingress replicas (Serve validates them), e.g. resources that keep it on the head node.",
     )
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    policy_file: str | None = Field(
-        default=None, description="A YAML policy file (`python -m serve_app.tools.calibrate` writes one); `policy` fields override it."
+    policy_file: str | dict[str, str] | None = Field(
+        default=None,
+        description="A YAML policy file (`python -m serve_app.tools.calibrate` writes one), or one per CPU kernel "
+        "of the embedded engine, `{avx512-vnni: path, avx2: path, c: path, default: path}`, of which the one for "
+        "the kernel the host that validates the config runs is read (else `default`); `policy` fields override it.",
     )
     controller: ControllerOptions = Field(default_factory=ControllerOptions)
     limits: Limits = Field(default_factory=Limits)
@@ -217,7 +220,7 @@ class AppArgs(Strict):
         given = data.get("policy") or {}
         if isinstance(given, BaseModel):
             given = given.model_dump(exclude_unset=True)
-        return {**data, "policy": {**load_policy_file(data["policy_file"]), **given}}
+        return {**data, "policy": {**load_policy_file(policy_file_for_host(data["policy_file"])), **given}}
 
     @model_validator(mode="after")
     def _ladder_fits_the_engine(self) -> AppArgs:
@@ -248,3 +251,25 @@ def read_serve_config(path: str) -> tuple[str, dict[str, Any]]:
         return "specserve", data
     app = data["applications"][0]
     return app.get("name", "specserve"), app.get("args") or {}
+
+
+CPU_KERNELS = ("avx512-vnni", "avx2", "c")
+"""The paths of the embedded engine's CPU kernels (``qmm.kernel_path``). The speed of a step, and so
+the load where speculation stops paying, differs with them: a policy file may be given per kernel."""
+
+
+def policy_file_for_host(spec: str | dict[str, str]) -> str:
+    """The policy file to read: ``spec``, or, where it maps CPU kernels to files, the file of the
+    kernel this host runs, else its ``default``."""
+    if not isinstance(spec, dict):
+        return spec
+    unknown = sorted(set(spec) - {*CPU_KERNELS, "default"})
+    if unknown:
+        raise ValueError(f"policy_file: unknown CPU kernel {unknown[0]!r}; the keys are {', '.join(CPU_KERNELS)} and default")
+    from serve_app.engines.embedded.qmm import kernel_path
+
+    kernel = kernel_path()
+    path = spec.get(kernel, spec.get("default"))
+    if path is None:
+        raise ValueError(f"policy_file: none for this host's CPU kernel {kernel} and no default")
+    return path

@@ -1,7 +1,9 @@
 """``python -m serve_app.tools.calibrate``: measure where plain decoding overtakes each speculative
 tier on this hardware and model, and write the ladder as a policy file configs include.
 
-    python -m serve_app.tools.calibrate --config configs/local.yaml --out configs/policies/local.yaml
+    python -m serve_app.tools.calibrate --config configs/local.yaml
+
+writes the policy file the config reads on this host (``--out`` to choose another).
 
 ``--from-results FILE`` derives the ladder again from the measurements a ``--results`` file
 keeps, without measuring: the file it writes records both commands.
@@ -44,6 +46,7 @@ import yaml
 from tqdm import tqdm
 
 from serve_app.control.config import PolicyConfig
+from serve_app.serving.config import policy_file_for_host, read_serve_config
 from serve_app.tools.bench.client import Poller, Target, add_target_arguments, prompt_messages, run_against_target
 from serve_app.tools.bench.engine import cpu_model
 from serve_app.tools.bench.serve import measure_window, point_row, window_order
@@ -77,7 +80,9 @@ def parser() -> argparse.ArgumentParser:
                    help="client j sends its first request j x S / clients seconds after a window starts, as "
                         "bench serve --stagger-s (default 0: together; requests of one length then stay in step "
                         "under plain decoding, which flatters it against traffic that arrives spread out)")
-    p.add_argument("--out", default="configs/policies/local.yaml", help="the policy file to write")
+    p.add_argument("--out", default=None,
+                   help="the policy file to write (default: the one --config reads on this host, see "
+                        "AppArgs.policy_file; else configs/policies/local.yaml)")
     p.add_argument("--results", default=None, help="also write the measurements as JSON here")
     p.add_argument("--from-results", metavar="FILE", default=None,
                    help="derive the ladder from the measurements in FILE (an earlier --results) instead of "
@@ -169,6 +174,16 @@ def plain_crossovers(tps: dict[int, dict[float, float]]) -> dict[str, float | No
     return out
 
 
+def default_out(args: argparse.Namespace) -> str:
+    """The policy file ``--config`` reads on this host (its kernel's, where it names one per CPU
+    kernel), so that recalibrating changes the ladder this host serves with."""
+    if not args.url and not args.from_results:
+        spec = read_serve_config(args.config)[1].get("policy_file")
+        if spec:
+            return policy_file_for_host(spec)
+    return "configs/policies/local.yaml"
+
+
 def write_policy_file(path: str, policy: PolicyConfig, header: str) -> None:
     text = yaml.safe_dump(policy.model_dump(), sort_keys=False, default_flow_style=None)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -222,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--repeats must be at least 1")
     if args.stagger_s < 0:
         parser().error("--stagger-s must be >= 0")
+    args.out = args.out or default_out(args)
     t0 = time.monotonic()
     command = " ".join(["python -m serve_app.tools.calibrate", *(sys.argv[1:] if argv is None else argv)])
     when = datetime.now(UTC).isoformat(timespec="seconds")
