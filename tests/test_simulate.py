@@ -215,7 +215,7 @@ def test_validate_reports_each_point_and_fails_past_the_tolerance(tmp_path):
         for c in (2, 8)
     ]
     serve = tmp_path / "serve.json"
-    serve.write_text(json.dumps({"meta": {"prompt_set": "chat"}, "rows": rows}))
+    serve.write_text(json.dumps({"meta": {"prompt_set": "chat", "spec_steps": spec_steps}, "rows": rows}))
     out = tmp_path / "v.json"
     args = ["validate", "--curves", str(BENCH), "--serve", str(serve), "--out", str(out)]
     assert main(args) == 0

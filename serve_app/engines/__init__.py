@@ -22,3 +22,11 @@ def make_engine(engine_config: EngineConfig) -> Engine:
 
         return SGLangEngine(engine_config.sglang)
     raise ValueError(f"unknown engine backend {engine_config.backend!r}")
+
+
+def cpu_kernel() -> str:
+    """Which of the embedded engine's CPU kernels this host runs: avx512-vnni, avx2 or c
+    (``qmm.kernel_path``; compiles the kernels on first use)."""
+    from serve_app.engines.embedded.qmm import kernel_path
+
+    return kernel_path()

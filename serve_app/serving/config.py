@@ -266,9 +266,9 @@ def policy_file_for_host(spec: str | dict[str, str]) -> str:
     unknown = sorted(set(spec) - {*CPU_KERNELS, "default"})
     if unknown:
         raise ValueError(f"policy_file: unknown CPU kernel {unknown[0]!r}; the keys are {', '.join(CPU_KERNELS)} and default")
-    from serve_app.engines.embedded.qmm import kernel_path
+    from serve_app.engines import cpu_kernel
 
-    kernel = kernel_path()
+    kernel = cpu_kernel()
     path = spec.get(kernel, spec.get("default"))
     if path is None:
         raise ValueError(f"policy_file: none for this host's CPU kernel {kernel} and no default")
