@@ -24,6 +24,10 @@ def make_engine(engine_config: EngineConfig) -> Engine:
     raise ValueError(f"unknown engine backend {engine_config.backend!r}")
 
 
+CPU_KERNELS = ("avx512-vnni", "avx2", "c")
+"""The paths of the embedded engine's CPU kernels, as ``cpu_kernel()`` names them (qmm.c's ``qmm_path``)."""
+
+
 def cpu_kernel() -> str:
     """Which of the embedded engine's CPU kernels this host runs: avx512-vnni, avx2 or c
     (``qmm.kernel_path``; compiles the kernels on first use)."""

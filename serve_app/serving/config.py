@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from serve_app.control import ControllerOptions, PolicyConfig, load_policy_file
+from serve_app.engines import CPU_KERNELS
 from serve_app.engines.config import EngineConfig
 from serve_app.strict import Strict
 
@@ -253,14 +254,10 @@ def read_serve_config(path: str) -> tuple[str, dict[str, Any]]:
     return app.get("name", "specserve"), app.get("args") or {}
 
 
-CPU_KERNELS = ("avx512-vnni", "avx2", "c")
-"""The paths of the embedded engine's CPU kernels (``qmm.kernel_path``). The speed of a step, and so
-the load where speculation stops paying, differs with them: a policy file may be given per kernel."""
-
-
 def policy_file_for_host(spec: str | dict[str, str]) -> str:
     """The policy file to read: ``spec``, or, where it maps CPU kernels to files, the file of the
-    kernel this host runs, else its ``default``."""
+    kernel this host runs, else its ``default``. A step's speed, and so the load where
+    speculation stops paying, differs with the kernel."""
     if not isinstance(spec, dict):
         return spec
     unknown = sorted(set(spec) - {*CPU_KERNELS, "default"})
