@@ -34,9 +34,27 @@ def _deploy_front(name: str, max_ongoing_requests: int):
             groups = [[self._hold.remote(seconds) for _ in range(n)] for n, seconds in plan]
             return [[await r for r in group] for group in groups]
 
+        def counted(self) -> int:
+            """Requests the handle's router counts on any replica: sent and not seen finish, or
+            chosen and not sent."""
+            router = self._hold._router._asyncio_router.request_router
+            return sum(router.load(replica) for replica in {*router._sent, *router._chosen})
+
     handle = serve.run(Front.bind(Hold.bind()), name=name, route_prefix=None)
     handle.remote([(2, 0.0)]).result()  # both replicas known to the router before a burst
+    _until_nothing_counted(handle)
     return handle
+
+
+def _until_nothing_counted(front, timeout_s: float = 10.0) -> None:
+    """Waits until the router has seen every request end. The caller has its results before
+    the router does: Serve hands a request's end from Ray's worker thread to the router's event
+    loop, and on a loaded host a burst routed at once can run before the last ends of the one
+    before it (16 went 6 and 10)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := front.counted.remote().result()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == 0, f"the router still counts {left} requests {timeout_s} s after they ended"
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +69,7 @@ def test_a_burst_is_split_evenly_and_finished_requests_stop_counting(front):
     for _ in range(2):  # the second burst comes after the first finished: nothing left counted
         (ids,) = front.remote([(16, 1.0)]).result()
         assert sorted(Counter(ids).values()) == [8, 8]
+        _until_nothing_counted(front)
 
 
 def test_requests_in_flight_count_against_their_replica(front):
