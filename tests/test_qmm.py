@@ -424,7 +424,8 @@ def test_a_failed_compile_raises_and_leaves_no_file_behind(tmp_path, monkeypatch
 
 
 def test_the_prefetch_benchmark_compares_the_two_builds_and_writes_its_figures(tmp_path):
-    """scripts/qmm_prefetch.py on one layer: both builds' outputs checked equal, a row per row count."""
+    """scripts/qmm_prefetch.py on one layer: both builds' outputs checked equal, a row per row count;
+    with --against, another version of qmm.c, packed in its own layout."""
     import importlib.util
     import json
 
@@ -435,7 +436,14 @@ def test_the_prefetch_benchmark_compares_the_two_builds_and_writes_its_figures(t
     assert bench.main(["--layers", "1", "--rows", "1,4", "--repeats", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [r["rows"] for r in result["rows"]] == [1, 4]
-    assert all(r["prefetch_ms"] > 0 and r["no_prefetch_ms"] > 0 for r in result["rows"])
+    assert all(r["this_ms"] > 0 and r["baseline_ms"] > 0 for r in result["rows"])
     assert result["meta"]["layers"] == 1 and result["meta"]["path"] == qmm.kernel_path() and "cpu_model" in result["meta"]
+    assert result["meta"]["baseline"] == "no prefetch"
     with pytest.raises(SystemExit, match="--repeats"):
         bench.main(["--repeats", "1"])
+    # another version of qmm.c (a copy here): its own build, packing its own weights
+    other = tmp_path / "qmm_other.c"
+    other.write_text(qmm._SOURCE.read_text())
+    assert bench.main(["--layers", "1", "--rows", "3", "--repeats", "2", "--against", str(other), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["baseline"] == "qmm_other.c" and [r["rows"] for r in result["rows"]] == [3]

@@ -16,8 +16,10 @@
    The weights are repacked once (qmm_pack_*) into the layout of the path compiled in:
    - AVX512-VNNI: 16 output rows side by side, 4 bytes of k each per 32-bit lane, so one vpdpbusd
      against 4 broadcast bytes of x advances 16 outputs and a block's dot lands whole in its
-     lane (llama.cpp's repacked kernels do the same); up to 4 rows of x share each weight load.
-   - otherwise (AVX2, or plain C): row by row as shipped, one block's dot in 8 lanes.
+     lane (llama.cpp's repacked kernels do the same); up to 8 rows of x share each weight load.
+   - AVX2: the same layout at 8 output rows a vector; without VNNI a 4-byte dot is vpmaddubsw then
+     vpmaddwd; up to 4 rows of x share each weight load.
+   - plain C: row by row as shipped, one block's dot in 8 lanes.
 
    Compiled on first use with -march=native and -ffp-contract=off (qmm.py), so the float steps
    are exactly those written here. */
@@ -286,8 +288,175 @@ int qmm_linear_q8_0(const float *x, const float *norm, float eps, int64_t M, int
 
 const char *qmm_path(void) { return "avx512-vnni"; }
 
+#elif defined(__AVX2__)
+/* ================= AVX2: 8 output rows a vector ================= */
+
+#define NR 8
+/* Q4_1, per 8 rows and block: 4 x 32 code bytes (lane n, byte j of vector v: low nibble k = 8v + j,
+   high nibble k = 8v + 4 + j), 8 float d, 8 float mn. */
+#define Q4_STRIDE (4 * 32 + 2 * 32)
+/* Q8_0, per 8 rows and block: 8 x 32 code bytes (lane n, byte j of vector g: k = 4g + j), 8 float d. */
+#define Q8_STRIDE (8 * 32 + 32)
+
+int64_t qmm_q4_1_packed_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * (K / QK) * Q4_STRIDE; }
+int64_t qmm_q8_0_packed_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * (K / QK) * Q8_STRIDE; }
+
+void qmm_pack_q4_1(const uint8_t *codes, const float *d, const float *mn, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t nb = K / QK;
+    memset(out, 0, (size_t)qmm_q4_1_packed_size(N, K));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t blk = n / NR, lane = n % NR;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = out + (blk * nb + b) * Q4_STRIDE;
+            const uint8_t *c = codes + n * K + b * QK;
+            for (int v = 0; v < 4; v++)
+                for (int j = 0; j < 4; j++)
+                    p[v * 32 + lane * 4 + j] = (uint8_t)(c[8 * v + j] | (c[8 * v + 4 + j] << 4));
+            memcpy(p + 128 + lane * 4, d + n * nb + b, 4);
+            memcpy(p + 160 + lane * 4, mn + n * nb + b, 4);
+        }
+    }
+}
+
+void qmm_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t nb = K / QK;
+    memset(out, 0, (size_t)qmm_q8_0_packed_size(N, K));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t blk = n / NR, lane = n % NR;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = out + (blk * nb + b) * Q8_STRIDE;
+            for (int g = 0; g < 8; g++) memcpy(p + g * 32 + lane * 4, codes + n * K + b * QK + 4 * g, 4);
+            memcpy(p + 256 + lane * 4, d + n * nb + b, 4);
+        }
+    }
+}
+
+static inline __m256i bcast4(const void *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+
+#ifndef QMM_PF_BLOCKS
+#define QMM_PF_BLOCKS 8
+#endif
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int bytes) {
+    if (QMM_PF_BLOCKS > 0)
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
+}
+
+static inline __attribute__((always_inline)) void store_rows(float *y, __m256 v, int64_t n) {
+    if (n >= NR) {
+        _mm256_storeu_ps(y, v);
+    } else {
+        float tmp[NR];
+        _mm256_storeu_ps(tmp, v);
+        memcpy(y, tmp, sizeof(float) * (size_t)n);
+    }
+}
+
+/* Without VNNI a 4-byte dot takes vpmaddubsw (pairs into int16) and vpmaddwd (pairs into int32).
+   Q4_1: a code times an int8 of x is at most 15 * 127, so a block's 8 pair sums of pairs add up in
+   int16 (16 * 1905 < 32768) before one vpmaddwd; exact. */
+static inline __attribute__((always_inline)) void q4_1_tile(
+        int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, int64_t n) {
+    __m256 acc[MT];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, w += Q4_STRIDE) {
+        prefetch_block(w + QMM_PF_BLOCKS * Q4_STRIDE, Q4_STRIDE);
+        __m256i s16[MT];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < mt; i++) s16[i] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 4")
+        for (int v = 0; v < 4; v++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + v * 32));
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < mt; i++) {
+                const int8_t *xq = x[i].q + b * QK + 8 * v;
+                s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xq)));
+                s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xq + 4)));
+            }
+        }
+        const __m256 wd = _mm256_loadu_ps((const float *)(w + 128)), wm = _mm256_loadu_ps((const float *)(w + 160));
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < mt; i++) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
+            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(wd, _mm256_set1_ps(x[i].d[b])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[i].s[b]), acc[i]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < mt; i++) store_rows(y + i * ldy, acc[i], n);
+}
+
+/* Q8_0: |w| as unsigned times x with w's sign (a pair is at most 2 * 128 * 127 < 32768), each group
+   of 4 bytes into int32 at once. */
+static inline __attribute__((always_inline)) void q8_0_tile(
+        int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, int64_t n) {
+    __m256 acc[MT];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, w += Q8_STRIDE) {
+        prefetch_block(w + QMM_PF_BLOCKS * Q8_STRIDE, Q8_STRIDE);
+        __m256i dot[MT];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < mt; i++) dot[i] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 8")
+        for (int g = 0; g < 8; g++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * 32));
+            const __m256i wabs = _mm256_sign_epi8(wv, wv);
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < mt; i++) {
+                const __m256i xs = _mm256_sign_epi8(bcast4(x[i].q + b * QK + 4 * g), wv);
+                dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+            }
+        }
+        const __m256 wd = _mm256_loadu_ps((const float *)(w + 256));
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < mt; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(wd, _mm256_set1_ps(x[i].d[b])), acc[i]);
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < mt; i++) store_rows(y + i * ldy, acc[i], n);
+}
+
+#define TILES(CALL)                                                                  \
+    for (int64_t blk = 0; blk * NR < N; blk++) {                                     \
+        const int64_t n = N - blk * NR;                                              \
+        int64_t m = 0;                                                               \
+        for (; m + MT <= M; m += MT) CALL(MT);                                       \
+        switch (M - m) {                                                             \
+        case 3: CALL(3); break;                                                      \
+        case 2: CALL(2); break;                                                      \
+        case 1: CALL(1); break;                                                      \
+        default: break;                                                              \
+        }                                                                            \
+    }
+
+int qmm_linear_q4_1(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
+    const int64_t nb = K / QK;
+    xrow_t *rows = quantize(x, norm, eps, M, K, 0);
+    if (!rows) return -1;
+#define Q4CALL(T) q4_1_tile(T, nb, packed + blk * nb * Q4_STRIDE, rows + m, y + m * N + blk * NR, N, n)
+    TILES(Q4CALL)
+    free(rows);
+    return 0;
+}
+
+int qmm_linear_q8_0(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
+    const int64_t nb = K / QK;
+    xrow_t *rows = quantize(x, norm, eps, M, K, 0);
+    if (!rows) return -1;
+#define Q8CALL(T) q8_0_tile(T, nb, packed + blk * nb * Q8_STRIDE, rows + m, y + m * N + blk * NR, N, n)
+    TILES(Q8CALL)
+    free(rows);
+    return 0;
+}
+
+const char *qmm_path(void) { return "avx2"; }
+
 #else
-/* ================= AVX2 or plain C: row by row, one block's dot in 8 lanes ================= */
+/* ================= plain C: row by row, one block's dot in 8 lanes ================= */
 
 /* Q4_1 per row: nb x 16 code bytes (byte j: code j low nibble, code j + 16 high), nb float d, nb float mn. */
 #define Q4_ROW(K) ((K) / QK * (16 + 8))
@@ -315,31 +484,12 @@ void qmm_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K, ui
     }
 }
 
-#ifdef __AVX2__
-typedef __m256 acc_t;
-static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
-static inline float acc_sum(acc_t a) {
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* l0+l4 .. l3+l7 */
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_movehdup_ps(v));
-    return _mm_cvtss_f32(v);
-}
-/* 32 unsigned times 32 signed bytes in groups of 4: 8 int32 lanes. The pairs fit in int16:
-   unsigned <= 15 (Q4_1 codes) or <= 127 (Q8_0 through the sign trick). */
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-static inline acc_t acc_fma(acc_t a, __m256i dot, float scale) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), a);
-}
-#else
 typedef struct { float v[8]; } acc_t;
 static inline acc_t acc_zero(void) { acc_t a; memset(&a, 0, sizeof a); return a; }
 static inline float acc_sum(acc_t a) {
     float v0 = a.v[0] + a.v[4], v1 = a.v[1] + a.v[5], v2 = a.v[2] + a.v[6], v3 = a.v[3] + a.v[7];
     return (v0 + v2) + (v1 + v3);
 }
-#endif
 
 static inline __attribute__((always_inline)) void q4_1_tile(
         int mt, int64_t K, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy) {
@@ -350,22 +500,14 @@ static inline __attribute__((always_inline)) void q4_1_tile(
     for (int i = 0; i < mt; i++) { acc[i] = acc_zero(); mins[i] = 0.0f; }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *qs = w + b * 16;
-#ifdef __AVX2__
-        const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-        const __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-#endif
         for (int i = 0; i < mt; i++) {
             const int8_t *xb = x[i].q + b * QK;
             const float scale = wd[b] * x[i].d[b];
-#ifdef __AVX2__
-            acc[i] = acc_fma(acc[i], dot_u8s8(wv, _mm256_loadu_si256((const __m256i *)xb)), scale);
-#else
             for (int l = 0; l < 8; l++) {
                 int dot = 0;
                 for (int j = 4 * l; j < 4 * l + 4; j++) dot += (j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4) * xb[j];
                 acc[i].v[l] = fmaf((float)dot, scale, acc[i].v[l]);
             }
-#endif
             mins[i] = fmaf(wm[b], x[i].s[b], mins[i]);
         }
     }
@@ -380,23 +522,14 @@ static inline __attribute__((always_inline)) void q8_0_tile(
     acc_t acc[MT];
     for (int i = 0; i < mt; i++) acc[i] = acc_zero();
     for (int64_t b = 0; b < nb; b++) {
-#ifdef __AVX2__
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
-        const __m256i wabs = _mm256_sign_epi8(wv, wv); /* |w| as unsigned; its sign moves to x */
-#endif
         for (int i = 0; i < mt; i++) {
             const int8_t *xb = x[i].q + b * QK;
             const float scale = wd[b] * x[i].d[b];
-#ifdef __AVX2__
-            const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb), wv);
-            acc[i] = acc_fma(acc[i], dot_u8s8(wabs, xs), scale);
-#else
             for (int l = 0; l < 8; l++) {
                 int dot = 0;
                 for (int j = 4 * l; j < 4 * l + 4; j++) dot += wq[b * QK + j] * xb[j];
                 acc[i].v[l] = fmaf((float)dot, scale, acc[i].v[l]);
             }
-#endif
         }
     }
     for (int i = 0; i < mt; i++) y[i * ldy] = acc_sum(acc[i]);
@@ -434,11 +567,7 @@ int qmm_linear_q8_0(const float *x, const float *norm, float eps, int64_t M, int
     return 0;
 }
 
-#ifdef __AVX2__
-const char *qmm_path(void) { return "avx2"; }
-#else
 const char *qmm_path(void) { return "c"; }
-#endif
 #endif
 
 /* ---- attention of one layer: RoPE, the cache write and causal attention, row by row ---- */

@@ -62,9 +62,9 @@ def library_path() -> Path:
     return cache_dir() / "kernels" / f"qmm-{key}.so"
 
 
-def compile_library(out: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile qmm.c into ``out`` (``extra_flags``: e.g. ``-DQMM_NO_AVX512 -mno-avx512f`` for
-    the AVX2 path, as tests do); written whole or not at all."""
+def compile_library(out: Path, extra_flags: tuple[str, ...] = (), source: Path = _SOURCE) -> Path:
+    """Compile qmm.c (or another version of it, ``source``) into ``out`` (``extra_flags``: e.g.
+    ``-DQMM_NO_AVX512 -mno-avx512f`` for the AVX2 path, as tests do); written whole or not at all."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None or shutil.which(cc) is None:
         raise RuntimeError("the gguf weight format compiles its kernels with a C compiler, and none was found "
@@ -73,10 +73,10 @@ def compile_library(out: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *_FLAGS, *extra_flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
+        run = subprocess.run([cc, *_FLAGS, *extra_flags, str(source), "-o", tmp, "-lm"], capture_output=True,
                              text=True)
         if run.returncode:
-            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{run.stderr[-2000:]}")
+            raise RuntimeError(f"compiling {source.name} failed:\n{run.stderr[-2000:]}")
         os.replace(tmp, out)  # atomic: replicas starting together each see a whole file
     finally:
         if os.path.exists(tmp):
