@@ -183,7 +183,8 @@ static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *
 }
 
 static inline __attribute__((always_inline)) void q4_1_tile(
-        int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, __mmask16 store) {
+        int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, int64_t n) {
+    const __mmask16 store = n >= NR ? 0xFFFF : (__mmask16)((1u << n) - 1);
     __m512 acc[MT];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
@@ -219,7 +220,8 @@ static inline __attribute__((always_inline)) void q4_1_tile(
 }
 
 static inline __attribute__((always_inline)) void q8_0_tile(
-        int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, __mmask16 store) {
+        int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, int64_t n) {
+    const __mmask16 store = n >= NR ? 0xFFFF : (__mmask16)((1u << n) - 1);
     __m512 acc[MT];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
@@ -251,7 +253,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(
 
 #define TILES(CALL)                                                                  \
     for (int64_t blk = 0; blk * NR < N; blk++) {                                     \
-        const __mmask16 store = N - blk * NR >= NR ? 0xFFFF : (__mmask16)((1u << (N - blk * NR)) - 1); \
+        const int64_t n = N - blk * NR;                                              \
         int64_t m = 0;                                                               \
         for (; m + MT <= M; m += MT) CALL(MT);                                       \
         switch (M - m) {                                                             \
@@ -266,27 +268,8 @@ static inline __attribute__((always_inline)) void q8_0_tile(
         }                                                                            \
     }
 
-int qmm_linear_q4_1(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
-    const int64_t nb = K / QK;
-    xrow_t *rows = quantize(x, norm, eps, M, K, 0);
-    if (!rows) return -1;
-#define Q4CALL(T) q4_1_tile(T, nb, packed + blk * nb * Q4_STRIDE, rows + m, y + m * N + blk * NR, N, store)
-    TILES(Q4CALL)
-    free(rows);
-    return 0;
-}
-
-int qmm_linear_q8_0(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
-    const int64_t nb = K / QK;
-    xrow_t *rows = quantize(x, norm, eps, M, K, 1);
-    if (!rows) return -1;
-#define Q8CALL(T) q8_0_tile(T, nb, packed + blk * nb * Q8_STRIDE, rows + m, y + m * N + blk * NR, N, store)
-    TILES(Q8CALL)
-    free(rows);
-    return 0;
-}
-
-const char *qmm_path(void) { return "avx512-vnni"; }
+#define Q8_WITH_U 1 /* Q8_0 products take x + 128 */
+#define QMM_PATH "avx512-vnni"
 
 #elif defined(__AVX2__)
 /* ================= AVX2: 8 output rows a vector ================= */
@@ -433,27 +416,8 @@ static inline __attribute__((always_inline)) void q8_0_tile(
         }                                                                            \
     }
 
-int qmm_linear_q4_1(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
-    const int64_t nb = K / QK;
-    xrow_t *rows = quantize(x, norm, eps, M, K, 0);
-    if (!rows) return -1;
-#define Q4CALL(T) q4_1_tile(T, nb, packed + blk * nb * Q4_STRIDE, rows + m, y + m * N + blk * NR, N, n)
-    TILES(Q4CALL)
-    free(rows);
-    return 0;
-}
-
-int qmm_linear_q8_0(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
-    const int64_t nb = K / QK;
-    xrow_t *rows = quantize(x, norm, eps, M, K, 0);
-    if (!rows) return -1;
-#define Q8CALL(T) q8_0_tile(T, nb, packed + blk * nb * Q8_STRIDE, rows + m, y + m * N + blk * NR, N, n)
-    TILES(Q8CALL)
-    free(rows);
-    return 0;
-}
-
-const char *qmm_path(void) { return "avx2"; }
+#define Q8_WITH_U 0
+#define QMM_PATH "avx2"
 
 #else
 /* ================= plain C: row by row, one block's dot in 8 lanes ================= */
@@ -568,6 +532,33 @@ int qmm_linear_q8_0(const float *x, const float *norm, float eps, int64_t M, int
 }
 
 const char *qmm_path(void) { return "c"; }
+#endif
+
+#if defined(QMM_AVX512) || defined(__AVX2__)
+/* Both repacked paths: TILES runs tiles of NR output rows, n of them real (fewer in the last tile
+   of an N not a multiple of NR), over MT rows of x at a time and the rows past the last whole MT
+   together. */
+int qmm_linear_q4_1(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
+    const int64_t nb = K / QK;
+    xrow_t *rows = quantize(x, norm, eps, M, K, 0);
+    if (!rows) return -1;
+#define Q4CALL(T) q4_1_tile(T, nb, packed + blk * nb * Q4_STRIDE, rows + m, y + m * N + blk * NR, N, n)
+    TILES(Q4CALL)
+    free(rows);
+    return 0;
+}
+
+int qmm_linear_q8_0(const float *x, const float *norm, float eps, int64_t M, int64_t K, const uint8_t *packed, int64_t N, float *y) {
+    const int64_t nb = K / QK;
+    xrow_t *rows = quantize(x, norm, eps, M, K, Q8_WITH_U);
+    if (!rows) return -1;
+#define Q8CALL(T) q8_0_tile(T, nb, packed + blk * nb * Q8_STRIDE, rows + m, y + m * N + blk * NR, N, n)
+    TILES(Q8CALL)
+    free(rows);
+    return 0;
+}
+
+const char *qmm_path(void) { return QMM_PATH; }
 #endif
 
 /* ---- attention of one layer: RoPE, the cache write and causal attention, row by row ---- */
