@@ -41,7 +41,12 @@ def _deploy_front(name: str, max_ongoing_requests: int):
             return sum(router.load(replica) for replica in {*router._sent, *router._chosen})
 
     handle = serve.run(Front.bind(Hold.bind()), name=name, route_prefix=None)
-    handle.remote([(2, 0.0)]).result()  # both replicas known to the router before a burst
+    # Before a burst, both replicas known to the router and their queue lengths in Serve's cache
+    # (a replica takes a request to get there): a replica the cache lacks is probed, its probe
+    # awaited, and the routing tasks of a burst interleave around the wait (16 went 7 and 9).
+    deadline = time.monotonic() + 30
+    while len(set(handle.remote([(2, 0.0)]).result()[0])) < 2:
+        assert time.monotonic() < deadline, "the warm-up requests never reached both replicas"
     _until_nothing_counted(handle)
     return handle
 
