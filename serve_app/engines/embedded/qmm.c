@@ -110,6 +110,22 @@ static inline uint16_t f32_to_f16(float v) { /* exact for the float16 values GGU
     return u;
 }
 
+#if defined(QMM_AVX512) || defined(__AVX2__)
+/* Each tile asks for the weight block QMM_PF_BLOCKS ahead of the one it multiplies (on AVX512, 2.5 KB of
+   Q4_1, 4.8 KB of Q8_0 at 8; past a tile's last block, the next tile's first ones). The packed
+   weights are read in order, yet a product of a few rows waits on memory block after block
+   without it (scripts/qmm_prefetch.py measures the difference; docs/engine.md). A prefetch
+   never faults, so the last tile's may point past the end. -DQMM_PF_BLOCKS=0 builds without.
+   always_inline: GCC 12 dropped the prefetches of a plain static inline here. */
+#ifndef QMM_PF_BLOCKS
+#define QMM_PF_BLOCKS 8
+#endif
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int bytes) {
+    if (QMM_PF_BLOCKS > 0)
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
+}
+#endif
+
 #ifdef QMM_AVX512
 /* ================= AVX512-VNNI: 16 output rows a vector ================= */
 
@@ -168,19 +184,6 @@ void qmm_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K, ui
 
 static inline __m512i bcast4(const void *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
-/* Each tile asks for the weight block QMM_PF_BLOCKS ahead of the one it multiplies (2.5 KB of
-   Q4_1, 4.8 KB of Q8_0 at 8; past a tile's last block, the next tile's first ones). The packed
-   weights are read in order, yet a product of a few rows waits on memory block after block
-   without it (scripts/qmm_prefetch.py measures the difference; docs/engine.md). A prefetch
-   never faults, so the last tile's may point past the end. -DQMM_PF_BLOCKS=0 builds without.
-   always_inline: GCC 12 dropped the prefetches of a plain static inline here. */
-#ifndef QMM_PF_BLOCKS
-#define QMM_PF_BLOCKS 8
-#endif
-static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int bytes) {
-    if (QMM_PF_BLOCKS > 0)
-        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
-}
 
 static inline __attribute__((always_inline)) void q4_1_tile(
         int mt, int64_t nb, const uint8_t *w, const xrow_t *x, float *y, int64_t ldy, int64_t n) {
@@ -316,13 +319,6 @@ void qmm_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K, ui
 
 static inline __m256i bcast4(const void *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
-#ifndef QMM_PF_BLOCKS
-#define QMM_PF_BLOCKS 8
-#endif
-static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int bytes) {
-    if (QMM_PF_BLOCKS > 0)
-        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
-}
 
 static inline __attribute__((always_inline)) void store_rows(float *y, __m256 v, int64_t n) {
     if (n >= NR) {
