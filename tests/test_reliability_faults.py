@@ -77,12 +77,16 @@ def handle_clients_through(target, fault, label: str) -> None:
         assert busiest["load"]["running"] > 0
         victim = next(n for n in target.replica_actor_names() if n.endswith(f"#{busiest['replica_id']}"))
         fault(victim)
-        time.sleep(3.0)
+        # The clients complete 8 more calls, those the fault hit and later ones. A loaded host takes
+        # seconds a call, so the test waits for the calls (120 s at most: a hang) and not a fixed time.
+        wanted, deadline = len(done) + 2 * len(prompts), time.monotonic() + 120
+        while len(done) + len(errors) < wanted and time.monotonic() < deadline:
+            time.sleep(0.2)
         stop.set()
         for f in futures:
             f.result(timeout=180)
     assert not errors, errors[:3]
-    assert len(done) > len(prompts) and all(done)
+    assert len(done) >= wanted and all(done), (len(done), wanted)
     deadline = time.monotonic() + 120  # a new replica in its place; the module's app whole for the next test
     while victim in (names := target.replica_actor_names()) or len(names) < REPLICAS:
         assert time.monotonic() < deadline, names
