@@ -102,12 +102,15 @@ def test_calibrate_refuses_a_negative_stagger(capsys):
 
 
 def test_local_config_takes_its_ladder_from_the_policy_file_calibrated_for_this_hosts_cpu_kernel():
+    from serve_app.engines import cpu_id
     from serve_app.engines.embedded.qmm import kernel_path
 
     raw = yaml.safe_load((CONFIGS / "local.yaml").read_text())["applications"][0]["args"]
-    assert raw["policy_file"] == {"avx2": "configs/policies/local-avx2.yaml", "default": "configs/policies/local.yaml"}
+    assert raw["policy_file"] == {"avx2@amd-23-49": "configs/policies/local-avx2-amd-23-49.yaml",
+                                  "avx2": "configs/policies/local-avx2.yaml", "default": "configs/policies/local.yaml"}
     assert set(raw.get("policy", {})) <= {"fall_dwell_s", "rise_min_interval_s"}  # the ladder and its margin come from the file
-    path = raw["policy_file"].get(kernel_path(), raw["policy_file"]["default"])
+    files = raw["policy_file"]
+    path = files.get(f"{kernel_path()}@{cpu_id()}", files.get(kernel_path(), files["default"]))
     from_file = yaml.safe_load((CONFIGS.parent / path).read_text())
     expected = PolicyConfig.model_validate(from_file | raw.get("policy", {}))
     assert AppArgs.model_validate(raw).policy == expected and expected.tiers == PolicyConfig.model_validate(from_file).tiers
@@ -141,19 +144,54 @@ def test_a_policy_file_per_cpu_kernel_reads_the_one_for_this_hosts_kernel(tmp_pa
         AppArgs.model_validate({"policy_file": {other: "other.yaml"}})
     with pytest.raises(ValidationError, match="policy_file: unknown CPU kernel 'avx9'"):
         AppArgs.model_validate({"policy_file": {"avx9": "mine.yaml"}})
+    with pytest.raises(ValidationError, match="policy_file: unknown CPU kernel 'avx9'"):
+        AppArgs.model_validate({"policy_file": {"avx9@amd-23-49": "mine.yaml", "default": "default.yaml"}})
+
+
+def test_a_policy_file_for_this_hosts_cpu_comes_before_its_kernels(tmp_path, monkeypatch):
+    from serve_app.engines import cpu_id
+    from serve_app.engines.embedded.qmm import kernel_path
+
+    monkeypatch.chdir(tmp_path)
+    for steps, name in ((3, "cpu.yaml"), (2, "kernel.yaml"), (1, "default.yaml")):
+        (tmp_path / name).write_text(f"tiers: [{{below: 3, num_steps: {steps}}}, {{num_steps: 0}}]\n")
+    mine, cpu = kernel_path(), cpu_id()
+
+    def first_steps(spec: dict) -> int:
+        return AppArgs.model_validate({"policy_file": spec}).policy.tiers[0].num_steps
+
+    other_cpu = {f"{mine}@not-{cpu}": "cpu.yaml", mine: "kernel.yaml", "default": "default.yaml"}
+    assert first_steps(other_cpu) == 2
+    if cpu is not None:
+        assert first_steps({f"{mine}@{cpu}": "cpu.yaml", mine: "kernel.yaml", "default": "default.yaml"}) == 3
+        assert first_steps({f"{mine}@{cpu}": "cpu.yaml", "default": "default.yaml"}) == 3
+
+
+def test_the_cpu_id_is_vendor_family_and_model_of_the_first_processor():
+    from serve_app.engines import cpu_id
+
+    amd = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\n"
+           "model name\t: AMD EPYC\n\nprocessor\t: 1\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n")
+    assert cpu_id(amd) == "amd-23-49"
+    assert cpu_id("vendor_id : GenuineIntel\ncpu family : 6\nmodel name : Xeon\nmodel : 143\n") == "intel-6-143"
+    assert cpu_id("processor : 0\nBogoMIPS : 50.00\n") is None  # no vendor, family or model (an ARM host)
 
 
 def test_by_default_calibrate_writes_the_policy_file_the_config_reads_on_this_host():
+    from serve_app.engines import cpu_id
     from serve_app.engines.embedded.qmm import kernel_path
     from serve_app.tools.calibrate import default_out, parser
 
-    mine = "configs/policies/local-avx2.yaml" if kernel_path() == "avx2" else "configs/policies/local.yaml"
+    mine = {"avx2": "configs/policies/local-avx2.yaml"}.get(kernel_path(), "configs/policies/local.yaml")
+    if kernel_path() == "avx2" and cpu_id() == "amd-23-49":
+        mine = "configs/policies/local-avx2-amd-23-49.yaml"
     assert default_out(parser().parse_args(["--config", str(CONFIGS / "local.yaml")])) == mine
     assert default_out(parser().parse_args(["--url", "http://127.0.0.1:1"])) == "configs/policies/local.yaml"
 
 
 @pytest.mark.parametrize(("results_file", "policy_file"), [("calibration.json", "local.yaml"),
-                                                           ("calibration-avx2.json", "local-avx2.yaml")])
+                                                           ("calibration-avx2.json", "local-avx2.yaml"),
+                                                           ("calibration-avx2-amd-23-49.json", "local-avx2-amd-23-49.yaml")])
 def test_the_shipped_ladder_is_what_its_stored_measurements_give(tmp_path, results_file, policy_file):
     """configs/policies/local*.yaml come from bench/results/calibration*.json through --from-results."""
     out, results = tmp_path / "p.yaml", tmp_path / "c.json"

@@ -194,8 +194,9 @@ class AppArgs(Strict):
     policy_file: str | dict[str, str] | None = Field(
         default=None,
         description="A YAML policy file (`python -m serve_app.tools.calibrate` writes one), or one per CPU kernel "
-        "of the embedded engine, `{avx512-vnni: path, avx2: path, c: path, default: path}`, of which the one for "
-        "the kernel the host that validates the config runs is read (else `default`); `policy` fields override it.",
+        "of the embedded engine, `{avx512-vnni: path, avx2: path, c: path, default: path}`, where a key may also "
+        "name a CPU (`avx2@amd-23-49`: kernel@vendor-family-model); the host that validates the config reads its "
+        "CPU's file, else its kernel's, else `default`; `policy` fields override it.",
     )
     controller: ControllerOptions = Field(default_factory=ControllerOptions)
     limits: Limits = Field(default_factory=Limits)
@@ -255,18 +256,20 @@ def read_serve_config(path: str) -> tuple[str, dict[str, Any]]:
 
 
 def policy_file_for_host(spec: str | dict[str, str]) -> str:
-    """The policy file to read: ``spec``, or, where it maps CPU kernels to files, the file of the
-    kernel this host runs, else its ``default``. A step's speed, and so the load where
-    speculation stops paying, differs with the kernel."""
+    """The policy file to read: ``spec``, or, where it maps CPU kernels to files, the file of
+    this host's CPU (``<kernel>@<cpu id>``, e.g. ``avx2@amd-23-49``), else of its kernel, else
+    its ``default``. A step's speed, and so the load where speculation stops paying, differs with
+    the kernel, and between CPUs that run the same one."""
     if not isinstance(spec, dict):
         return spec
-    unknown = sorted(set(spec) - {*CPU_KERNELS, "default"})
+    unknown = sorted(k for k in spec if k != "default" and k.split("@", 1)[0] not in CPU_KERNELS)
     if unknown:
-        raise ValueError(f"policy_file: unknown CPU kernel {unknown[0]!r}; the keys are {', '.join(CPU_KERNELS)} and default")
-    from serve_app.engines import cpu_kernel
+        raise ValueError(f"policy_file: unknown CPU kernel {unknown[0].split('@', 1)[0]!r}; the keys are "
+                         f"{', '.join(CPU_KERNELS)}, each optionally @<vendor>-<family>-<model> of a CPU, and default")
+    from serve_app.engines import cpu_id, cpu_kernel
 
-    kernel = cpu_kernel()
-    path = spec.get(kernel, spec.get("default"))
-    if path is None:
-        raise ValueError(f"policy_file: none for this host's CPU kernel {kernel} and no default")
-    return path
+    kernel, cpu = cpu_kernel(), cpu_id()
+    for key in (f"{kernel}@{cpu}", kernel, "default"):
+        if key in spec:
+            return spec[key]
+    raise ValueError(f"policy_file: none for this host's CPU kernel {kernel} and no default")

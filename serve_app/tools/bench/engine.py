@@ -59,8 +59,8 @@ LLAMACPP = "llamacpp"  # the llama.cpp side of a grid cell, next to the engine's
 
 
 def cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo with its widest vector unit, e.g. "AMD EPYC
-    (avx2)" (None elsewhere). The machine these benchmarks run on has come up on different
+    """The CPU's model name from /proc/cpuinfo with its widest vector unit and its
+    vendor-family-model, e.g. "AMD EPYC (avx2, amd-23-49)" (None elsewhere). The machine these benchmarks run on has come up on different
     hosts (AMD EPYCs with and without AVX512, an Intel Xeon), whose speeds differ and whose
     kernels differ with the vector unit: results record which."""
     name, flags = None, set()
@@ -75,8 +75,11 @@ def cpu_model() -> str | None:
         pass
     if name is None:
         return None
+    from serve_app.engines import cpu_id
+
     unit = next((unit for flag, unit in (("avx512f", "avx512"), ("avx2", "avx2")) if flag in flags), None)
-    return name if unit is None else f"{name} ({unit})"
+    details = ", ".join(x for x in (unit, cpu_id()) if x)
+    return f"{name} ({details})" if details else name
 
 
 def _int_list(text: str) -> list[int]:
