@@ -60,9 +60,10 @@ LLAMACPP = "llamacpp"  # the llama.cpp side of a grid cell, next to the engine's
 
 def cpu_model() -> str | None:
     """The CPU's model name from /proc/cpuinfo with its widest vector unit and its
-    vendor-family-model, e.g. "AMD EPYC (avx2, amd-23-49)" (None elsewhere). The machine these benchmarks run on has come up on different
-    hosts (AMD EPYCs with and without AVX512, an Intel Xeon), whose speeds differ and whose
-    kernels differ with the vector unit: results record which."""
+    vendor-family-model, e.g. "AMD EPYC (avx2, amd-23-49)" (None elsewhere). The machine these
+    benchmarks run on has come up on different hosts (AMD EPYCs with and without AVX512, an
+    Intel Xeon), whose speeds differ and whose kernels differ with the vector unit: results
+    record which."""
     name, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
