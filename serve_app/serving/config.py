@@ -269,7 +269,7 @@ def policy_file_for_host(spec: str | dict[str, str]) -> str:
     from serve_app.engines import cpu_id, cpu_kernel
 
     kernel, cpu = cpu_kernel(), cpu_id()
-    for key in (f"{kernel}@{cpu}", kernel, "default"):
+    for key in ([f"{kernel}@{cpu}"] if cpu else []) + [kernel, "default"]:
         if key in spec:
             return spec[key]
     raise ValueError(f"policy_file: none for this host's CPU kernel {kernel} and no default")

@@ -64,22 +64,23 @@ def cpu_model() -> str | None:
     benchmarks run on has come up on different hosts (AMD EPYCs with and without AVX512, an
     Intel Xeon), whose speeds differ and whose kernels differ with the vector unit: results
     record which."""
+    from serve_app.engines import cpu_id
+
     name, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name is None:
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
+            info = f.read()
     except OSError:
-        pass
+        return None
+    for line in info.splitlines():
+        if line.startswith("model name") and name is None:
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
     if name is None:
         return None
-    from serve_app.engines import cpu_id
-
     unit = next((unit for flag, unit in (("avx512f", "avx512"), ("avx2", "avx2")) if flag in flags), None)
-    details = ", ".join(x for x in (unit, cpu_id()) if x)
+    details = ", ".join(x for x in (unit, cpu_id(info)) if x)
     return f"{name} ({details})" if details else name
 
 
