@@ -167,6 +167,33 @@ def test_a_policy_file_for_this_hosts_cpu_comes_before_its_kernels(tmp_path, mon
         assert first_steps({f"{mine}@{cpu}": "cpu.yaml", "default": "default.yaml"}) == 3
 
 
+def test_a_cpus_policy_file_not_written_yet_reads_the_kernels_until_calibrate_writes_it(tmp_path, monkeypatch,
+                                                                                         caplog):
+    from serve_app.engines import cpu_id
+    from serve_app.engines.embedded.qmm import kernel_path
+    from serve_app.tools.calibrate import default_out, parser
+
+    cpu = cpu_id()
+    if cpu is None:
+        pytest.skip("this host's /proc/cpuinfo names no CPU")
+    monkeypatch.chdir(tmp_path)
+    for steps, name in ((2, "kernel.yaml"), (1, "default.yaml")):
+        (tmp_path / name).write_text(f"tiers: [{{below: 3, num_steps: {steps}}}, {{num_steps: 0}}]\n")
+    mine = f"{kernel_path()}@{cpu}"
+    spec = {mine: "new-cpu.yaml", kernel_path(): "kernel.yaml", "default": "default.yaml"}
+    with caplog.at_level("WARNING", logger="serve_app.serving.config"):
+        assert AppArgs.model_validate({"policy_file": spec}).policy.tiers[0].num_steps == 2
+    assert "new-cpu.yaml, this CPU's" in caplog.text and "does not exist yet" in caplog.text
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"policy_file": spec}))
+    assert default_out(parser().parse_args(["--config", "config.yaml"])) == "new-cpu.yaml"  # where calibrate writes
+    (tmp_path / "new-cpu.yaml").write_text("tiers: [{below: 3, num_steps: 3}, {num_steps: 0}]\n")
+    assert AppArgs.model_validate({"policy_file": spec}).policy.tiers[0].num_steps == 3
+    with pytest.raises(ValidationError, match="policy_file: gone.yaml, this host's CPU's, not found, and no key"):
+        AppArgs.model_validate({"policy_file": {mine: "gone.yaml"}})
+    with pytest.raises(ValidationError, match="policy_file: gone.yaml not found"):
+        AppArgs.model_validate({"policy_file": {mine: "gone.yaml", "default": "gone.yaml"}})
+
+
 def test_the_cpu_id_is_vendor_family_and_model_of_the_first_processor():
     from serve_app.engines import cpu_id
 

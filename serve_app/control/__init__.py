@@ -5,7 +5,7 @@ What the serving layer may use is re-exported here; it imports nothing else of t
 """
 
 from serve_app.control.actor import NAMESPACE, controller_name, delete_controller, get_or_create_controller
-from serve_app.control.config import ControllerOptions, PolicyConfig, Tier, load_policy_file
+from serve_app.control.config import ControllerOptions, PolicyConfig, Tier, find_policy_file, load_policy_file
 from serve_app.control.loop import ReplicaReport
 
 __all__ = [
@@ -17,5 +17,6 @@ __all__ = [
     "controller_name",
     "delete_controller",
     "get_or_create_controller",
+    "find_policy_file",
     "load_policy_file",
 ]

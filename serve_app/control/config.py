@@ -168,15 +168,24 @@ class ControllerOptions(Strict):
         return self
 
 
+def _policy_file_candidates(path: str) -> list[Path]:
+    return [Path(path)] if Path(path).is_absolute() else [Path.cwd() / path, _PROJECT_ROOT / path]
+
+
+def find_policy_file(path: str) -> Path | None:
+    """Where a policy file is: a relative path is looked up in the working directory, then in
+    the project root (where `serve run configs/...` is meant to run); None where it is in neither."""
+    return next((p for p in _policy_file_candidates(path) if p.is_file()), None)
+
+
 def load_policy_file(path: str) -> dict[str, Any]:
-    """The policy fields of a YAML policy file. A relative path is looked up in the working
-    directory, then in the project root (where `serve run configs/...` is meant to run)."""
+    """The policy fields of a YAML policy file, found as ``find_policy_file`` finds it."""
     import yaml
 
-    candidates = [Path(path)] if Path(path).is_absolute() else [Path.cwd() / path, _PROJECT_ROOT / path]
-    found = next((p for p in candidates if p.is_file()), None)
+    found = find_policy_file(path)
     if found is None:
-        raise ValueError(f"policy_file: {path} not found (looked in {', '.join(str(p.parent) for p in candidates)})")
+        looked = ", ".join(str(p.parent) for p in _policy_file_candidates(path))
+        raise ValueError(f"policy_file: {path} not found (looked in {looked})")
     data = yaml.safe_load(found.read_text())
     if not isinstance(data, dict):
         raise ValueError(f"policy_file: {found} must hold a mapping of policy fields")

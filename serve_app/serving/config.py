@@ -8,6 +8,7 @@ sections are their own packages' models.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import shutil
@@ -17,10 +18,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from serve_app.control import ControllerOptions, PolicyConfig, load_policy_file
+from serve_app.control import ControllerOptions, PolicyConfig, find_policy_file, load_policy_file
 from serve_app.engines import CPU_KERNELS
 from serve_app.engines.config import EngineConfig
 from serve_app.strict import Strict
+
+logger = logging.getLogger(__name__)
 
 
 class Limits(Strict):
@@ -255,11 +258,15 @@ def read_serve_config(path: str) -> tuple[str, dict[str, Any]]:
     return app.get("name", "specserve"), app.get("args") or {}
 
 
-def policy_file_for_host(spec: str | dict[str, str]) -> str:
+def policy_file_for_host(spec: str | dict[str, str], *, to_write: bool = False) -> str:
     """The policy file to read: ``spec``, or, where it maps CPU kernels to files, the file of
     this host's CPU (``<kernel>@<cpu id>``, e.g. ``avx2@amd-23-49``), else of its kernel, else
     its ``default``. A step's speed, and so the load where speculation stops paying, differs with
-    the kernel, and between CPUs that run the same one."""
+    the kernel, and between CPUs that run the same one.
+
+    A CPU's file that does not exist yet (a key added for `calibrate` to write) is passed over,
+    with a warning, for the kernel's or the default; ``to_write`` (where `calibrate` writes)
+    takes it all the same. A missing kernel's or default file is an error where it is read."""
     if not isinstance(spec, dict):
         return spec
     unknown = sorted(k for k in spec if k != "default" and k.split("@", 1)[0] not in CPU_KERNELS)
@@ -269,7 +276,17 @@ def policy_file_for_host(spec: str | dict[str, str]) -> str:
     from serve_app.engines import cpu_id, cpu_kernel
 
     kernel, cpu = cpu_kernel(), cpu_id()
+    passed_over = None
     for key in ([f"{kernel}@{cpu}"] if cpu else []) + [kernel, "default"]:
-        if key in spec:
-            return spec[key]
+        if key not in spec:
+            continue
+        if "@" in key and not to_write and find_policy_file(spec[key]) is None:
+            logger.warning("policy_file: %s, this CPU's (%s), does not exist yet; reading the next key's: "
+                           "calibrate writes it", spec[key], key)
+            passed_over = spec[key]
+            continue
+        return spec[key]
+    if passed_over:
+        raise ValueError(f"policy_file: {passed_over}, this host's CPU's, not found, and no key for its kernel "
+                         f"{kernel} or default to read until calibrate writes it")
     raise ValueError(f"policy_file: none for this host's CPU kernel {kernel} and no default")

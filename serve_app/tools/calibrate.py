@@ -175,12 +175,13 @@ def plain_crossovers(tps: dict[int, dict[float, float]]) -> dict[str, float | No
 
 
 def default_out(args: argparse.Namespace) -> str:
-    """The policy file ``--config`` reads on this host (its kernel's, where it names one per CPU
-    kernel), so that recalibrating changes the ladder this host serves with."""
+    """The policy file ``--config`` reads on this host (its CPU's or kernel's, where it names one
+    per CPU or kernel; a CPU's that does not exist yet too), so that recalibrating changes the
+    ladder this host serves with."""
     if not args.url and not args.from_results:
         spec = read_serve_config(args.config)[1].get("policy_file")
         if spec:
-            return policy_file_for_host(spec)
+            return policy_file_for_host(spec, to_write=True)
     return "configs/policies/local.yaml"
 
 
