@@ -136,6 +136,24 @@ def test_seeded_sampling_is_reproducible(engine):
     assert a == b and len(a) == 16
 
 
+def test_a_switch_shows_in_the_steps_a_running_engine_reports_before_its_next_step():
+    eng = sync_engine(model="tiny-random", max_num_seqs=8, max_model_len=128)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    eng.core.add(eng.make_sequence(GenerateRequest("r0", prompt=PROMPTS[0], params=sp), lambda d: None))
+    asyncio.run(eng.set_num_steps(4))
+    while eng.core.last_num_steps != 4:  # its prefill, then a decode step of 4 drafts
+        eng.core.step()
+    assert (eng.load().running, eng.load().active_num_steps) == (1, 4)
+    asyncio.run(eng.set_num_steps(0))  # no step has run under it yet: the report is the new mode's
+    assert (eng.load().running, eng.load().active_num_steps) == (1, 0)
+    eng.core.step()
+    assert eng.core.last_num_steps == 0 and eng.load().active_num_steps == 0
+    asyncio.run(eng.set_num_steps(2))
+    assert eng.load().active_num_steps == 2
+    eng.core.step()
+    assert eng.load().active_num_steps == eng.core.last_num_steps == 2
+
+
 def test_load_reports_queue_and_num_steps(engine):
     async def main():
         await engine.set_num_steps(3)

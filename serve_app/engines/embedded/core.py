@@ -75,6 +75,7 @@ class EngineCore:
         self.num_steps = 0  # the ceiling: the most drafts a step may verify
         self.chooser = chooser  # None: every step drafts num_steps; else it picks under it
         self.last_num_steps = 0  # what the last decode step drafted
+        self.last_ceiling = 0  # the num_steps that step ran under
         self.stats = StepStats()
         self.totals = {"proposed": 0, "accepted": 0, "verifies": 0, "steps": 0, "output_tokens": 0}
         self.verify_counts: Counter[tuple[int, int]] = Counter()  # (drafts verified, accepted) -> verifies
@@ -101,6 +102,11 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def active_num_steps(self) -> int:
+        """The drafts the engine runs now: its last decode step's, where that step ran under
+        the num_steps of now; else (none has run since num_steps changed) num_steps itself."""
+        return self.last_num_steps if self.last_ceiling == self.num_steps else self.num_steps
 
     # -- the loop ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -181,7 +187,7 @@ class EngineCore:
             if choice.lengths is not None:  # each its own length: the ones that draft
                 caps = [min(c, n) for c, n in zip(caps, choice.lengths, strict=True)]
                 rows = [r for r in rows if caps[r] > 0]
-        self.last_num_steps = num_steps
+        self.last_num_steps, self.last_ceiling = num_steps, ceiling
         drafts: list[list[int]] = [[] for _ in seqs]
         head_s, head_rows = 0.0, 0
         if num_steps > 0 and rows:

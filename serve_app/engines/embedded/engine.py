@@ -261,7 +261,7 @@ class EmbeddedEngine:
         return EngineLoad(waiting=len(sched.waiting) + max(self._num_waiting, 0), running=running,
                           output_tokens_per_s=tps, accept_rate=accept, num_steps=core.num_steps,
                           mean_accepted_len=mean_len,
-                          active_num_steps=core.last_num_steps if running else core.num_steps,
+                          active_num_steps=core.active_num_steps() if running else core.num_steps,
                           mean_num_steps=None if chooser is None else chooser.mean_num_steps())
 
     # -- the step thread --------------------------------------------------------------
