@@ -119,6 +119,29 @@ async def _switch_step_policy():
         await engine.shutdown()
 
 
+def test_the_steps_reported_as_run_are_those_under_the_ceiling_of_now():
+    """mean_num_steps (the ``specserve_replica_mean_num_steps`` gauge, /v1/speculation's "ran")
+    averages the last 5 s of steps under today's ceiling only: after a switch to 0 it reports
+    nothing (the engine's load() falls back to the active steps, 0), after 3 -> 1 only the
+    steps of ceiling 1."""
+    from serve_app.control.steps import StepPolicyConfig
+    from serve_app.engines.embedded.adaptive import StepChooser
+
+    now = [0.0]
+    chooser = StepChooser(StepPolicyConfig(), clock=lambda: now[0])
+    under_3 = []
+    for _ in range(4):
+        under_3.append(chooser.choose(["a"], 3).num_steps)
+        now[0] += 0.5
+    assert chooser.mean_num_steps(3) == pytest.approx(sum(under_3) / 4)
+    assert chooser.mean_num_steps(0) is None and chooser.mean_num_steps(1) is None
+    under_1 = [chooser.choose(["a"], 1).num_steps for _ in range(3)]
+    assert all(k <= 1 for k in under_1)
+    assert chooser.mean_num_steps(1) == pytest.approx(sum(under_1) / 3)
+    now[0] += 5.1  # the window passed: no step to report
+    assert chooser.mean_num_steps(1) is None
+
+
 def test_the_chooser_charges_the_heads_propose_to_the_head_and_the_rest_to_the_cell():
     from serve_app.control.steps import StepPolicyConfig
     from serve_app.engines.embedded.adaptive import StepChooser

@@ -174,7 +174,7 @@ def test_adaptive_steps_vary_per_step_and_per_sequence_and_change_no_greedy_outp
             assert run_greedy(tiny, TINY_PROMPTS, random_schedule(seed), max_tokens=40) == reference
             assert run_greedy(tiny, TINY_PROMPTS, random_schedule(seed + 9), max_tokens=40, per_prompt=caps) == reference
             ran |= set(chooser.reasons)
-            ks |= {k for _, k in chooser.history}
+            ks |= {k for _, k, _ in chooser.history}
             ragged += chooser.per_sequence_steps
             assert not chooser.requests, "finished requests left acceptance estimates behind"
         # Drafting priced near free (a long memory, so this machine's steps barely move it):

@@ -51,7 +51,7 @@ class StepChooser:
         self.reasons: dict[str, int] = {}
         self.per_sequence_steps = 0  # decode steps whose sequences drafted lengths of their own
         self.choosing = [0, 0.0]  # choices made, and the seconds they took
-        self.history: deque[tuple[float, int]] = deque()  # (time, k) of recent decode steps
+        self.history: deque[tuple[float, int, int]] = deque()  # (time, k, ceiling) of recent decode steps
         # request -> (lookup draft, tokens of it matched so far): drafts made on steps that did
         # not draft for the request, scored against what it decodes instead (score_shadow)
         self.shadows: dict[str, tuple[list[int], int]] = {}
@@ -87,7 +87,7 @@ class StepChooser:
         self.per_sequence_steps += choice.lengths is not None
         self.choosing[0] += 1
         self.choosing[1] += time.perf_counter() - started
-        self.history.append((now, choice.num_steps))
+        self.history.append((now, choice.num_steps, ceiling))
         while self.history and self.history[0][0] < now - WINDOW_S:
             self.history.popleft()
         return choice
@@ -160,10 +160,13 @@ class StepChooser:
         engine = self.engines.get(source)
         return [round(a, 4) for a in self.prior(max(1, len(engine.trials) if engine else 1), source)]
 
-    def mean_num_steps(self) -> float | None:
-        """Mean draft length of the decode steps of the last 5 s (None: no step)."""
+    def mean_num_steps(self, ceiling: int) -> float | None:
+        """Mean draft length of the decode steps of the last 5 s that ran under ``ceiling``, the
+        engine's num_steps now (None: no such step). Steps from before a switch of the ceiling
+        do not count: after a switch to 0 the engine chooses nothing and drafts nothing, and
+        after a switch from 3 to 1 its steps of 3 drafts are not what it runs now."""
         now = self.clock()
-        recent = [k for t, k in self.history if t >= now - WINDOW_S]
+        recent = [k for t, k, c in self.history if t >= now - WINDOW_S and c == ceiling]
         return sum(recent) / len(recent) if recent else None
 
     def state(self) -> dict:
