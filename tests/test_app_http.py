@@ -197,8 +197,12 @@ def test_the_engines_step_policy_reaches_every_replica_at_run_time_and_changes_n
                                  for x in s["replicas"]))
     adaptive = [app.http.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2)]
     assert adaptive == fixed
+    # What the engines decide from shows beside their ceiling once they have chosen
+    status = app.wait_until(lambda s: all(x["step_choices"] is not None for x in s["replicas"]))
+    for x in status["replicas"]:
+        assert {"engine_acceptance", "gate_shut", "reasons", "step_cost_ms"} <= x["step_choices"].keys()
     app.put({"policy": {"engine_step_policy": None}})
-    app.wait_until(lambda s: all(x["step_policy"] == "fixed" for x in s["replicas"]))
+    app.wait_until(lambda s: all(x["step_policy"] == "fixed" and x["step_choices"] is None for x in s["replicas"]))
 
 
 def test_handle_api_from_another_ray_task(tiny_app, ray_session):

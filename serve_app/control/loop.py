@@ -33,6 +33,8 @@ class ReplicaReport:
     step_policy: str | None = None
     """fixed: the engine drafts ``num_steps`` every decode step; adaptive: ``num_steps`` is its
     ceiling."""
+    step_choices: dict | None = None
+    """Where the engine picks each step's draft length: what it picks from (EngineLoad.step_choices)."""
     switch_failures: int = 0
     last_switch_error: str | None = None
 
@@ -232,6 +234,7 @@ class ControlLoop:
                     "step_policy": r.step_policy,
                     "active_num_steps": r.num_steps if r.active_num_steps is None else r.active_num_steps,
                     "mean_num_steps": r.mean_num_steps,
+                    "step_choices": r.step_choices,
                     "applied_version": r.applied_version,
                     "waiting": r.waiting,
                     "running": r.running,

@@ -242,6 +242,10 @@ class EngineLoad:
     mean_num_steps: float | None = None
     """Mean draft steps of the engine's decode steps over its last seconds, where it picks them
     per step; None: it runs what is commanded."""
+    step_choices: dict | None = None
+    """Where the engine picks each step's draft length: what it decides from (its acceptance
+    estimate, the gate, its choices by reason, its learned step cost), for ``GET
+    /v1/speculation``; None: it runs what is commanded."""
 
 
 @runtime_checkable

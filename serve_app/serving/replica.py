@@ -185,6 +185,7 @@ class LLMReplica:
             accept_rate=load.accept_rate,
             active_num_steps=self._num_steps if load.active_num_steps is None else load.active_num_steps,
             mean_num_steps=load.mean_num_steps,
+            step_choices=load.step_choices,
             step_policy=self._step_policy,
             switch_failures=self._switch_failures,
             last_switch_error=self._last_switch_error,

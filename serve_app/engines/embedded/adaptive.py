@@ -169,16 +169,25 @@ class StepChooser:
         recent = [k for t, k, c in self.history if t >= now - WINDOW_S and c == ceiling]
         return sum(recent) / len(recent) if recent else None
 
-    def state(self) -> dict:
-        """What /v1/speculation and the tests read."""
-        base, per_row, per_draft = self.cost.coefficients()
-        head_base, head_per_row, head_per_pass = self.cost.head_coefficients()
+    def summary(self) -> dict:
+        """What the engine decides from, for /v1/speculation: the main draft source's acceptance
+        by position, the gate, the choices made by reason (since the chooser started), and the
+        learned step cost in ms by "batch,drafts" for the cells seen."""
         return {
             "engine_acceptance": self._engine_acceptance(self.main_source()),
-            "engine_acceptance_by_source": {src: self._engine_acceptance(src) for src in sorted(self.engines)},
             "gate_shut": self.gate.shut,
-            "last_reason": None if self.last is None else self.last.reason,
             "reasons": dict(self.reasons),
+            "step_cost_ms": {f"{b},{k}": round(self.cost.seconds(b, k) * 1000, 2) for b, k in sorted(self.cost.cells)},
+        }
+
+    def state(self) -> dict:
+        """The summary and the rest the benchmarks and tests read: acceptance by draft source,
+        the last choice, the fitted cost's coefficients, and how long a choice takes."""
+        base, per_row, per_draft = self.cost.coefficients()
+        head_base, head_per_row, head_per_pass = self.cost.head_coefficients()
+        return self.summary() | {
+            "engine_acceptance_by_source": {src: self._engine_acceptance(src) for src in sorted(self.engines)},
+            "last_reason": None if self.last is None else self.last.reason,
             "per_sequence_steps": self.per_sequence_steps,
             "shadow_trials": self.shadow_trials,
             "choose_ms": round(self.choosing[1] / self.choosing[0] * 1000, 3) if self.choosing[0] else None,
@@ -188,6 +197,4 @@ class StepChooser:
             "head_cost_base_s": head_base,
             "head_cost_per_row_s": head_per_row,
             "head_cost_per_pass_s": head_per_pass,
-            "step_cost_ms": {f"{b},{k}": round(self.cost.seconds(b, k) * 1000, 2)  # the cells seen
-                             for b, k in sorted(self.cost.cells)},
         }

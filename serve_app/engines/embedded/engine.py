@@ -262,7 +262,8 @@ class EmbeddedEngine:
                           output_tokens_per_s=tps, accept_rate=accept, num_steps=core.num_steps,
                           mean_accepted_len=mean_len,
                           active_num_steps=core.active_num_steps() if running else core.num_steps,
-                          mean_num_steps=None if chooser is None else chooser.mean_num_steps(core.num_steps))
+                          mean_num_steps=None if chooser is None else chooser.mean_num_steps(core.num_steps),
+                          step_choices=None if chooser is None else chooser.summary())
 
     # -- the step thread --------------------------------------------------------------
     def _loop(self) -> None:
