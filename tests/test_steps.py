@@ -296,6 +296,24 @@ def test_the_gate_shuts_on_low_acceptance_probes_each_interval_and_reopens():
     assert (c.num_steps > 0, c.reason, c.gate.shut) == (True, "gain", False)
 
 
+def test_a_shut_gate_probes_a_request_with_no_verify_of_its_own_at_once_and_first():
+    """A request that arrives while the gate is shut carries only the engine's estimate, made
+    by the requests that shut it: a probe is due for it at once (within the probe spacing), not
+    an interval after the last, and drafts for it before the rest."""
+    cost = fitted(0.010, 0.001)
+    cfg = StepPolicyConfig(probe_interval_s=1.0, probe_steps=1, probe_rows=1, probe_every_steps=1, probe_budget=1.0)
+    low = [0.01] * 3
+    c = choose_steps(2, low, cost, GateState(), 10.0, cfg)
+    c = choose_steps(2, low, cost, c.gate, 11.0, cfg)
+    assert (c.reason, c.gate.last_probe_at) == ("probe", 11.0)
+    c = choose_steps(2, low, cost, c.gate, 11.1, cfg, fresh=[False, False, False])
+    assert c.reason == "gate"  # no new request: the next probe is an interval away
+    c = choose_steps(2, low, cost, c.gate, 11.2, cfg, backlogs=[0, 0, 40], fresh=[False, False, True])
+    assert (c.num_steps, c.reason, c.rows) == (1, "probe", (2,))  # the new one, though its head lags most
+    c = choose_steps(2, low, cost, c.gate, 11.3, cfg, fresh=[False, False, True], free=[False, False, True])
+    assert c.reason == "gate"  # one the engine scores for free needs no probe
+
+
 def test_a_probe_drafts_for_the_sequences_whose_head_has_least_to_catch_up_on():
     """A shut gate's probe drafts for ``probe_rows`` sequences: those with the fewest positions
     the draft head has not run over (a new request's prompt, every token since the gate shut),

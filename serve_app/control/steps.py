@@ -452,22 +452,24 @@ def probe_spacing(batch: int, k: int, cost: StepCost, config: StepPolicyConfig) 
 
 
 def pick_probe_rows(backlogs: Sequence[int] | None, batch: int, config: StepPolicyConfig,
-                    free: Sequence[bool] | None = None) -> tuple[int, ...] | None:
-    """The batch positions a probe drafts for: the ``probe_rows`` with the least backlog (the
-    earliest in the batch on a tie; the first ones without backlogs) among those not ``free``
-    (sequences whose acceptance the engine measures without drafting); None: the whole batch;
-    (): none (every sequence is free)."""
+                    free: Sequence[bool] | None = None, fresh: Sequence[bool] | None = None) -> tuple[int, ...] | None:
+    """The batch positions a probe drafts for: the ``probe_rows`` ``fresh`` ones first (no
+    verify of their own yet), then those with the least backlog (the earliest in the batch on a
+    tie; the first ones without backlogs), among those not ``free`` (sequences whose acceptance
+    the engine measures without drafting); None: the whole batch; (): none (every sequence is
+    free)."""
     candidates = [i for i in range(batch) if free is None or not free[i]]
     if len(candidates) == batch <= config.probe_rows:
         return None
-    order = sorted(candidates, key=lambda i: (0 if backlogs is None else backlogs[i], i))
+    order = sorted(candidates, key=lambda i: (fresh is None or not fresh[i],
+                                              0 if backlogs is None else backlogs[i], i))
     return tuple(sorted(order[:config.probe_rows]))
 
 
 def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], cost: StepCost, gate: GateState,
                  now: float, config: StepPolicyConfig, backlogs: Sequence[int] | None = None,
                  heads: Sequence[bool] | None = None, caps: Sequence[int] | None = None,
-                 free: Sequence[bool] | None = None) -> StepChoice:
+                 free: Sequence[bool] | None = None, fresh: Sequence[bool] | None = None) -> StepChoice:
     """This step's draft length: the ``k`` in ``0..ceiling`` with the most expected tokens per
     second, or with ``config.per_sequence`` each sequence's own (:func:`best_lengths`, a ragged
     verify), the longest ``k``; 0 unless it beats plain decoding by ``min_gain``. While that
@@ -478,7 +480,10 @@ def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], c
     sequences the draft head drafts for (None: all; the rest by prompt lookup, which costs no
     head time); ``caps``: each sequence's own most drafts (None: the ceiling); ``free``: the
     sequences whose acceptance the engine measures without drafting them (lookup drafts scored
-    against the tokens plain steps decode), which no probe drafts for.
+    against the tokens plain steps decode), which no probe drafts for; ``fresh``: the sequences
+    with no verify of their own yet, whose estimate is the engine's alone: while the gate is
+    shut a probe is due for them at once (within :func:`probe_spacing`) and drafts for them
+    first, so a request unlike those that shut the gate is measured from its first steps.
 
     ``cost`` is asked ``seconds(batch, k)`` (and ``seconds(batch, k, head_batch)`` where
     ``heads`` is given) for one length a step: any object with that method works (the
@@ -505,8 +510,9 @@ def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], c
     if not gate.shut:  # the gate shuts now; the first probe is due one interval later
         return StepChoice(0, "gate", GateState(True, now, 0), plain)
     k = min(ceiling, config.probe_steps)
-    due = gate.last_probe_at is None or now - gate.last_probe_at >= config.probe_interval_s
-    rows = pick_probe_rows(backlogs, len(acceptances), config, free) if due else ()
+    new = fresh is not None and any(f and not (free is not None and free[i]) for i, f in enumerate(fresh))
+    due = new or gate.last_probe_at is None or now - gate.last_probe_at >= config.probe_interval_s
+    rows = pick_probe_rows(backlogs, len(acceptances), config, free, fresh) if due else ()
     if rows != () and gate.steps_since_probe + 1 >= probe_spacing(len(acceptances), k, cost, config):
         probed = acceptances if rows is None else [acceptances[i] for i in rows]
         gain = sum(expected_tokens(a, k) for a in probed) + len(acceptances) - len(probed)

@@ -81,7 +81,8 @@ class StepChooser:
         acceptances = [self.estimate(r, priors[src], src) for r, src in zip(request_ids, sources, strict=True)]
         choice = choose_steps(ceiling, acceptances, self.cost, self.gate, now, self.config, backlogs,
                               heads=[src == HEAD for src in sources], caps=caps,
-                              free=[src == LOOKUP for src in sources])
+                              free=[src == LOOKUP for src in sources],
+                              fresh=[src not in self.requests.get(r, {}) for r, src in zip(request_ids, sources, strict=True)])
         self.gate, self.last = choice.gate, choice
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         self.per_sequence_steps += choice.lengths is not None
