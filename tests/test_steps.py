@@ -312,6 +312,10 @@ def test_a_shut_gate_probes_a_request_with_no_verify_of_its_own_at_once_and_firs
     assert (c.num_steps, c.reason, c.rows) == (1, "probe", (2,))  # the new one, though its head lags most
     c = choose_steps(2, low, cost, c.gate, 11.3, cfg, fresh=[False, False, True], free=[False, False, True])
     assert c.reason == "gate"  # one the engine scores for free needs no probe
+    c = choose_steps(2, low, cost, c.gate, 11.4, cfg, fresh=[False, False, True], caps=[2, 2, 0])
+    assert c.reason == "gate"  # nor one that may draft nothing (it would stay new, and probe every step)
+    c = choose_steps(2, low, cost, c.gate, 12.3, cfg, fresh=[False, False, True], caps=[2, 2, 0])
+    assert c.reason == "probe" and 2 not in c.rows  # the interval's probe drafts for the others
 
 
 def test_a_probe_drafts_for_the_sequences_whose_head_has_least_to_catch_up_on():

@@ -483,7 +483,8 @@ def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], c
     against the tokens plain steps decode), which no probe drafts for; ``fresh``: the sequences
     with no verify of their own yet, whose estimate is the engine's alone: while the gate is
     shut a probe is due for them at once (within :func:`probe_spacing`) and drafts for them
-    first, so a request unlike those that shut the gate is measured from its first steps.
+    first, so a request unlike those that shut the gate is measured from its first steps (not
+    those capped at 0 drafts, which never verify one, nor the free ones).
 
     ``cost`` is asked ``seconds(batch, k)`` (and ``seconds(batch, k, head_batch)`` where
     ``heads`` is given) for one length a step: any object with that method works (the
@@ -510,7 +511,10 @@ def choose_steps(ceiling: int, acceptances: Sequence[float | Sequence[float]], c
     if not gate.shut:  # the gate shuts now; the first probe is due one interval later
         return StepChoice(0, "gate", GateState(True, now, 0), plain)
     k = min(ceiling, config.probe_steps)
-    new = fresh is not None and any(f and not (free is not None and free[i]) for i, f in enumerate(fresh))
+    if fresh is not None:  # only those a probe can draft for: not free, not capped at 0
+        fresh = [f and not (free is not None and free[i]) and (caps is None or caps[i] > 0)
+                 for i, f in enumerate(fresh)]
+    new = fresh is not None and any(fresh)
     due = new or gate.last_probe_at is None or now - gate.last_probe_at >= config.probe_interval_s
     rows = pick_probe_rows(backlogs, len(acceptances), config, free, fresh) if due else ()
     if rows != () and gate.steps_since_probe + 1 >= probe_spacing(len(acceptances), k, cost, config):

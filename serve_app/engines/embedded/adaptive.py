@@ -154,8 +154,8 @@ class StepChooser:
 
     def main_source(self) -> str:
         """The source with the most drafts verified lately (the head before any)."""
-        return max(self.engines, key=lambda src: self.engines[src].trials[0] if self.engines[src].trials else 0.0,
-                   default=HEAD)
+        engines = dict(self.engines)  # a copy: load() reads it beside the step thread
+        return max(engines, key=lambda src: engines[src].trials[0] if engines[src].trials else 0.0, default=HEAD)
 
     def _engine_acceptance(self, source: str) -> list[float]:
         engine = self.engines.get(source)
