@@ -123,9 +123,10 @@ def test_eagle_sequences_release_their_head_state_and_slots_are_reused(tiny):
 
 
 def test_a_shut_gates_probes_draft_for_the_sequences_with_least_backlog_and_change_no_output(tiny):
-    """Every step a probe (the gate never opens): each drafts for the two sequences whose head
-    has the fewest positions to catch up on, the rest verify none, and greedy output is the
-    output of plain decoding."""
+    """Every step a probe (the gate never opens): each drafts for two sequences, those with no
+    verify of their own first (a new request, probed once), then those whose head has the fewest
+    positions to catch up on; the rest verify none, and greedy output is the output of plain
+    decoding."""
     from serve_app.control.steps import StepPolicyConfig
     from serve_app.engines.embedded.adaptive import StepChooser
 
@@ -134,7 +135,8 @@ def test_a_shut_gates_probes_draft_for_the_sequences_with_least_backlog_and_chan
     backlog, propose = drafter.backlog, drafter.propose
 
     def spy_backlog(ids):
-        calls.append({"backlogs": dict(zip(ids, backlog(ids), strict=True))})
+        calls.append({"backlogs": dict(zip(ids, backlog(ids), strict=True)),
+                      "fresh": {r for r in ids if r not in tiny.core.chooser.requests}})
         return list(calls[-1]["backlogs"].values())
 
     def spy_propose(ids, token_ids, k):
@@ -154,10 +156,13 @@ def test_a_shut_gates_probes_draft_for_the_sequences_with_least_backlog_and_chan
     probes = [c for c in calls if "drafted" in c and len(c["backlogs"]) > 2]
     assert len(probes) > 10, calls
     for c in probes:
-        least = sorted(c["backlogs"].values())[:2]
-        assert len(c["drafted"]) == 2 and sorted(c["backlogs"][r] for r in c["drafted"]) == least, c
-    # the head ran over a fraction of the positions a probe of the whole batch catches up on
-    caught_up = sum(c["backlogs"][r] for c in probes for r in c["drafted"])
+        def key(r, c=c):
+            return r not in c["fresh"], c["backlogs"][r]
+        assert len(c["drafted"]) == 2 and sorted(map(key, c["drafted"])) == sorted(map(key, c["backlogs"]))[:2], c
+    assert sum(len(c["fresh"] & set(c["drafted"])) for c in probes) <= 8  # each new request once
+    # past each new request's one probe (its prompt to catch up on), the head ran over a
+    # fraction of the positions a probe of the whole batch catches up on
+    caught_up = sum(c["backlogs"][r] for c in probes for r in c["drafted"] if r not in c["fresh"])
     assert caught_up < 0.25 * sum(sum(c["backlogs"].values()) for c in probes)
 
 
